@@ -1,0 +1,24 @@
+# `make test`: set up the pinned venv and run the suite. `make run`: set up and run the main job.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= jobs/configs/smollm2-quick.yaml
+
+.PHONY: setup test run clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q --timeout=300 -p no:cacheprovider tests
+
+run: setup
+	$(VENV)/bin/griffin run -c $(CONFIG)
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,150 @@
+"""Typed configs for the GRIFFIN method (METHOD.md §2, §4.4, §5.1).
+
+Every config is a frozen pydantic model with ``extra="forbid"``: an unknown key or a bad value
+fails with a message naming the field. ``griffin/`` only takes these objects; reading YAML and
+environment variables is ``pipeline/``'s job.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Variant = Literal["griffin", "hass", "eagle"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DraftConfig(_Frozen):
+    """Architecture of a draft model; saved next to its weights (``config.json``)."""
+
+    variant: Variant = "griffin"
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    vocab_size: int = Field(gt=0, description="the target's vocabulary")
+    draft_vocab_size: int | None = Field(
+        default=None, gt=0, description="reduced draft vocabulary (EAGLE-3 style d2t map); None = full"
+    )
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    token_guided_fusion: bool = Field(default=True, description="TGF (§2.1); False = EAGLE's fc")
+    token_enhanced_head: bool = Field(default=True, description="TEH (§2.2); False = one H output")
+    fc_bias: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "DraftConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size={self.vocab_size}"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def active_vocab_size(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+    @classmethod
+    def from_target(cls, hf_config: Any, variant: Variant = "griffin", **overrides: Any) -> "DraftConfig":
+        """The faithful draft for a target (METHOD.md §8): width, heads, RoPE and eps copied;
+        full MHA as GRIFFIN's draft configs use; EAGLE/HASS drafts have neither TGF nor TEH."""
+        text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        rope = getattr(text_cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        fields: dict[str, Any] = dict(
+            variant=variant,
+            hidden_size=text_cfg.hidden_size,
+            intermediate_size=text_cfg.intermediate_size,
+            num_attention_heads=text_cfg.num_attention_heads,
+            num_key_value_heads=text_cfg.num_attention_heads,
+            vocab_size=text_cfg.vocab_size,
+            rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta or getattr(text_cfg, "rope_theta", None) or 10000.0),
+            max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 2048),
+            token_guided_fusion=variant == "griffin",
+            token_enhanced_head=variant == "griffin",
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+class TreeConfig(_Frozen):
+    """EAGLE-2 dynamic tree budget (METHOD.md §5.1): ``total_tokens`` verified per target pass
+    (root included), ``depth`` draft levels, ``top_k`` children per expanded node."""
+
+    total_tokens: int = Field(default=60, ge=1)
+    depth: int = Field(default=6, ge=1)
+    top_k: int = Field(default=10, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TreeConfig":
+        pool = self.top_k + (self.depth - 1) * self.top_k**2
+        if self.total_tokens - 1 > pool:
+            raise ValueError(
+                f"total_tokens={self.total_tokens} needs {self.total_tokens - 1} draft nodes but depth="
+                f"{self.depth}, top_k={self.top_k} only propose {pool}; lower total_tokens or raise depth/top_k"
+            )
+        return self
+
+
+class SamplingConfig(_Frozen):
+    """Target sampling. temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TrainConfig(_Frozen):
+    """Token-alignable training (METHOD.md §4). Defaults are the official recipe."""
+
+    variant: Variant = "griffin"
+    stage: int = Field(default=1, ge=1, description="stage j runs j passes per step (stage 1: one)")
+    passes: int | None = Field(default=None, ge=1, description="override the pass count of this stage")
+    align_top_k: int = Field(default=3, ge=1, description="k of the token-alignment mask")
+    mask_shift: Literal["reference", "decode"] = "reference"
+    value_weight: float = 1.0
+    token_weight: float = 0.1
+    topk_weight: float = 0.5
+    topk_loss_k: int = Field(default=10, ge=1)
+    noise_scale: float = Field(default=0.2, ge=0.0, description="uniform input-feature noise x 512/L")
+    lr: float | None = Field(default=None, gt=0.0, description="None = 5e-5 at stage 1, 3e-5 after")
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.01
+    warmup_steps: int = Field(default=2000, ge=0)
+    total_steps: int = Field(default=800_000, ge=1)
+    grad_clip_value: float = Field(default=0.5, gt=0.0)
+    grad_accum: int = Field(default=1, ge=1)
+
+    @property
+    def num_passes(self) -> int:
+        return self.passes if self.passes is not None else self.stage
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (5e-5 if self.stage == 1 else 3e-5)
+
+    @property
+    def use_alignment_mask(self) -> bool:
+        """HASS trains the same passes without the token-alignment mask; EAGLE has one pass."""
+        return self.variant == "griffin"

@@ -1,0 +1,154 @@
+"""The decode loops: GRIFFIN speculative decoding and vanilla decoding on the same target code.
+
+Both preallocate their KV caches once per call (prompt + max_new_tokens + one tree), so no step
+reallocates; both stop at the target's stop tokens or ``max_new_tokens`` and return the new
+tokens with stats. Loop shape (METHOD.md §5.2): draft a tree, verify it in one target pass,
+accept a path, compact the target KV, append, stop check.
+
+Shape legend: T tokens, N tree nodes, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.model import GriffinDraft, KVCache
+from griffin.sampling import next_token, verify
+from griffin.target import TargetAdapter
+from griffin.tree import draft_tree
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0  # target passes after prefill (verification passes for speculative decoding)
+    accepted_per_round: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0  # target verify forward + acceptance + KV compaction
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau = sum over rounds of (accepted + 1) / rounds (DESIGN.md: bonus token included)."""
+        return (sum(self.accepted_per_round) + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new token ids, stop token included when one was produced
+    stats: GenerationStats
+    finish_reason: str  # "stop" or "length"
+
+
+def _check_request(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int) -> None:
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a LongTensor of shape (1, T) with T >= 1, got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if input_ids.shape[1] + max_new_tokens > target.max_context:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+            f"context window of {target.max_context}; shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int) -> str | None:
+    """Append ``new`` to ``out`` up to the first stop token or the length limit; say why we stopped."""
+    for token in new:
+        out.append(token)
+        if token in stop:
+            return "stop"
+        if len(out) >= max_new_tokens:
+            return "length"
+    return None
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def vanilla_generate(
+    target: TargetAdapter,
+    input_ids: Tensor,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    generator: torch.Generator | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> GenerationResult:
+    """Autoregressive decoding, one token per target pass, on the same target implementation."""
+    _check_request(target, input_ids, max_new_tokens)
+    stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    stats, out, device = GenerationStats(), [], target.device
+    cache = target.new_cache(input_ids.shape[1] + max_new_tokens)
+    start = _now(device)
+    _, logits = target.forward(input_ids.to(device), cache, all_logits=False)  # (1, 1, V)
+    token = next_token(logits[0, -1], sampling, generator)
+    stats.prefill_time = _now(device) - start
+    reason = _append(out, [token], stop, max_new_tokens)
+    while reason is None:
+        start = _now(device)
+        _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)
+        token = next_token(logits[0, -1], sampling, generator)
+        stats.verify_time += _now(device) - start
+        stats.rounds += 1
+        stats.accepted_per_round.append(0)
+        reason = _append(out, [token], stop, max_new_tokens)
+    return GenerationResult(out, stats, reason)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TargetAdapter,
+    draft: GriffinDraft,
+    input_ids: Tensor,
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    generator: torch.Generator | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> GenerationResult:
+    """Lossless GRIFFIN speculative decoding (METHOD.md §5). ``generator`` seeds T>0 sampling."""
+    _check_request(target, input_ids, max_new_tokens)
+    stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    stats, out, device = GenerationStats(), [], target.device
+    prompt_len = input_ids.shape[1]
+    target_cache = target.new_cache(prompt_len + max_new_tokens + tree.total_tokens)
+    draft_cache = KVCache.allocate(
+        draft.cfg, prompt_len + max_new_tokens + (tree.depth - 1) * tree.top_k + 1,
+        device=device, dtype=draft.param_dtype,
+    )
+
+    start = _now(device)
+    features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False)  # (1,T,D), (1,1,V)
+    root = next_token(logits[0, -1], sampling, generator)
+    stats.prefill_time = _now(device) - start
+    reason = _append(out, [root], stop, max_new_tokens)
+    # Draft input pairs (f_p, x_{p+1}): features of the processed positions and the tokens after them.
+    new_tokens = torch.cat([input_ids[0, 1:].to(device), torch.tensor([root], device=device)])  # (T,)
+
+    while reason is None:
+        start = _now(device)
+        tree_nodes = draft_tree(draft, draft_cache, features, new_tokens[None], tree)
+        mid = _now(device)
+        prefix_len = target_cache.length
+        features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache)
+        result = verify(tree_nodes, logits_n[0], sampling, generator)
+        accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
+        target.commit(target_cache, prefix_len, accepted)
+        stats.draft_time += mid - start
+        stats.verify_time += _now(device) - mid
+        stats.rounds += 1
+        stats.accepted_per_round.append(result.accept_len)
+
+        committed = tree_nodes.tokens[accepted[1:]].tolist() + [result.next_token]  # (A+1,)
+        reason = _append(out, committed, stop, max_new_tokens)
+        features = features_n[:, accepted]  # (1, A+1, D): target features of root + accepted nodes
+        new_tokens = torch.tensor(committed, device=device)
+    return GenerationResult(out, stats, reason)

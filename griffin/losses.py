@@ -1,0 +1,142 @@
+"""Token-Alignable Training losses (METHOD.md §4).
+
+Stage 1 is one EAGLE-style pass (1.0 feature loss + 0.1 token loss). A stage with j passes runs
+the draft j times per step with HASS's harmonized context (each pass sees its own earlier
+regressed features, ``GriffinDraft.forward``), adds the 0.5 top-10 loss to every pass, and - for
+GRIFFIN, not HASS - masks out positions whose ground-truth token chain would not have been in
+the draft's top-k (the token-alignment mask). Every pass is back-propagated on its own, so the
+gradients are summed over passes, as the official code does (GRIFFIN issue #1).
+
+Shape legend: B batch, T tokens, D hidden, V draft vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from griffin.config import TrainConfig
+from griffin.model import GriffinDraft
+
+
+@dataclass
+class ShiftedBatch:
+    """The draft's view of a batch after the feature/token shift (METHOD.md §1):
+    at position t the input is (f_t, y_t = x_{t+1}); the targets are f_{t+1} and p*_t."""
+
+    features: Tensor  # (B, T, D) f_t
+    tokens: Tensor  # (B, T) y_t = x_{t+1}; 0 at the last position
+    target_features: Tensor  # (B, T, D) f_{t+1}; 0 at the last position
+    loss_mask: Tensor  # (B, T) float: assistant token and t+1 is a real token
+    attention_mask: Tensor  # (B, T) 1 on real tokens
+
+
+def shift_batch(features: Tensor, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None) -> ShiftedBatch:
+    """features (B, T, D), input_ids / loss_mask / attention_mask (B, T), right-padded.
+    E.g. x = [a, b, c, <pad>]: tokens = [b, c, 0, 0], and the mask is 0 at c (nothing follows it)."""
+    B, T = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    pad = input_ids.new_zeros(B, 1)
+    tokens = torch.cat([input_ids[:, 1:], pad], dim=1)  # (B, T)
+    target = torch.cat([features[:, 1:], features.new_zeros(B, 1, features.shape[-1])], dim=1)  # (B, T, D)
+    next_real = torch.cat([attention_mask[:, 1:], pad], dim=1)  # (B, T)
+    mask = (loss_mask * attention_mask * next_real).float()
+    return ShiftedBatch(features, tokens, target, mask, attention_mask)
+
+
+def add_feature_noise(features: Tensor, attention_mask: Tensor, scale: float, generator=None) -> Tensor:
+    """EAGLE's uniform input noise: F + (U[0,1) - 0.5) * scale * 512 / L, L = sample length (§4.4)."""
+    if scale == 0:
+        return features
+    lengths = attention_mask.sum(1).clamp(min=1).to(features.dtype)[:, None, None]  # (B, 1, 1)
+    noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
+    return features + (noise - 0.5) * scale * 512 / lengths
+
+
+def pass_losses(draft: GriffinDraft, prediction: Tensor, regression: Tensor, batch: ShiftedBatch,
+                teacher: Tensor, mask: Tensor, topk_loss_k: int) -> dict[str, Tensor]:
+    """Feature (SmoothL1, beta 1), soft token cross-entropy and top-k losses under ``mask`` (B, T).
+    teacher: (B, T, V) target probabilities p*_t over the draft vocabulary."""
+    norm = mask.sum() + 1e-5
+    value = F.smooth_l1_loss(regression.float(), batch.target_features.float(), reduction="none").mean(-1)  # (B, T)
+    log_q = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (B, T, V)
+    token = -(teacher * log_q).sum(-1)  # (B, T)
+    top_p, top_idx = teacher.topk(topk_loss_k, dim=-1)  # (B, T, k)
+    topk = -(top_p * log_q.gather(-1, top_idx)).sum(-1)  # (B, T)
+    return {name: (x * mask).sum() / norm for name, x in (("value", value), ("token", token), ("topk", topk))}
+
+
+def alignment_hits(draft: GriffinDraft, prediction: Tensor, tokens: Tensor, k: int) -> Tensor:
+    """raw[t] = 1 if x_{t+2} (= y_{t+1}) is among the draft's top-k at position t. (B, T) float."""
+    next_tokens = torch.cat([tokens[:, 1:], tokens.new_zeros(tokens.shape[0], 1)], dim=1)  # (B, T)
+    next_draft = draft.to_draft_ids(next_tokens)  # -1 outside a reduced vocabulary: never a hit
+    top = draft.logits(prediction).topk(k, dim=-1).indices  # (B, T, k)
+    hits = (top == next_draft[..., None]).any(-1).float()  # (B, T)
+    hits[:, -1] = 0.0  # nothing to predict after the last position
+    return hits
+
+
+def shift_right(x: Tensor) -> Tensor:
+    """(B, T) -> (B, T) with x[:, t-1] at t and 0 at t=0."""
+    return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
+
+
+def next_alignment(hits: Tensor, previous: Tensor | None) -> Tensor:
+    """Cumulative alignment along the draft chain: cum_j[t] = hits_j[t] * cum_{j-1}[t-1] (§4.3)."""
+    return hits if previous is None else hits * shift_right(previous)
+
+
+def alignment_mask(cumulative: Tensor, mask_shift: str) -> Tensor:
+    """The mask for the next pass. "reference" is the official code's index (it includes whether the
+    next pass's own target was in the top-k); "decode" shifts it one position to the right, the
+    chain a decode-time draft actually followed (METHOD.md §4.3 (B))."""
+    return cumulative if mask_shift == "reference" else shift_right(cumulative)
+
+
+def token_alignable_step(
+    model: nn.Module,
+    batch: ShiftedBatch,
+    cfg: TrainConfig,
+    draft: GriffinDraft | None = None,
+    backward: bool = True,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """One training step's forward passes and per-pass backward (no optimizer step).
+
+    ``model`` may be a DDP wrapper of ``draft``; the frozen head is read from ``draft``. Returns the
+    mean losses over passes plus per-pass values and the fraction of positions kept by the mask."""
+    draft = draft if draft is not None else model
+    n_passes = cfg.num_passes
+    with_topk = cfg.stage >= 2
+    inputs = add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator) if model.training else batch.features
+    with torch.no_grad():
+        teacher = torch.softmax(draft.logits(batch.target_features).float(), dim=-1)  # (B, T, V)
+    streams, mask, cumulative = [inputs], batch.loss_mask, None
+    base_count = batch.loss_mask.sum().clamp(min=1)
+    metrics: dict[str, float] = {}
+    for j in range(1, n_passes + 1):
+        P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
+        parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k)
+        loss = cfg.value_weight * parts["value"] + cfg.token_weight * parts["token"]
+        if with_topk:
+            loss = loss + cfg.topk_weight * parts["topk"]
+        if backward:
+            (loss / cfg.grad_accum).backward()
+        for name, value in (("loss", loss), *parts.items()):
+            metrics[f"{name}_{j}"] = float(value.detach())
+        metrics[f"mask_kept_{j}"] = float(mask.sum() / base_count)
+        if j == n_passes:
+            break
+        with torch.no_grad():
+            # next stream: the draft's own regressed features, one position later, detached
+            streams.append(torch.cat([inputs[:, :1], R[:, :-1].detach().to(inputs.dtype)], dim=1))
+            if cfg.use_alignment_mask:
+                cumulative = next_alignment(alignment_hits(draft, P, batch.tokens, cfg.align_top_k), cumulative)
+                mask = batch.loss_mask * alignment_mask(cumulative, cfg.mask_shift)
+    for name in ("loss", "value", "token", "topk"):
+        metrics[name] = sum(metrics[f"{name}_{j}"] for j in range(1, n_passes + 1)) / n_passes
+    return metrics

@@ -1,0 +1,280 @@
+"""GRIFFIN draft model: Token-Guided Fusion -> one decoder layer -> Token-Enhanced Head (METHOD.md §2).
+
+The EAGLE/HASS draft is the same module with both GRIFFIN parts switched off by ``DraftConfig``
+(``token_guided_fusion=False``: a plain fc over [embedding; feature]; ``token_enhanced_head=False``:
+the layer outputs one H-wide feature used both for the token head and as the next feature).
+
+The frozen target embedding and LM head are bound as non-persistent buffers: they are never
+saved with the draft and are re-bound from the target on load (METHOD.md §2.3).
+
+Shape legend: B batch, T tokens, D hidden, I intermediate, V (draft) vocab, S cached keys,
+Hq query heads, Hk key/value heads, Dh head dim, J training passes (streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from griffin.config import DraftConfig, Variant
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # fp32 statistics as in HF LlamaRMSNorm: bf16 loses precision in the mean of squares
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, H, T, Dh); cos/sin: (T, Dh)
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class KVCache:
+    """Preallocated single-layer draft KV cache; entries [0, length) are valid."""
+
+    k: Tensor  # (B, Hk, S_max, Dh)
+    v: Tensor  # (B, Hk, S_max, Dh)
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, cfg: DraftConfig, max_len: int, batch: int = 1, device=None, dtype=None) -> "KVCache":
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        D, Dh = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, Dh
+        self.q_proj = nn.Linear(D, self.n_heads * Dh, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv_heads * Dh, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv_heads * Dh, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * Dh, D, bias=False)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, Dh)
+
+    def forward(
+        self,
+        x_q: Tensor,  # (B, Tq, D) query stream
+        x_kv: Tensor,  # (B, Tk, D) key/value streams (== x_q when decoding)
+        rope_q: tuple[Tensor, Tensor],  # cos, sin: (Tq, Dh)
+        rope_kv: tuple[Tensor, Tensor],  # cos, sin: (Tk, Dh)
+        mask: Tensor,  # (Tq, S) or (B, 1, Tq, S) bool, True = attend
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        q = apply_rope(self._heads(self.q_proj(x_q), self.n_heads), *rope_q)  # (B, Hq, Tq, Dh)
+        k = apply_rope(self._heads(self.k_proj(x_kv), self.n_kv_heads), *rope_kv)  # (B, Hk, Tk, Dh)
+        v = self._heads(self.v_proj(x_kv), self.n_kv_heads)  # (B, Hk, Tk, Dh)
+        if cache is not None:
+            start, end = cache.length, cache.length + k.shape[2]
+            if end > cache.capacity:
+                raise RuntimeError(f"draft KV cache overflow: need {end} > capacity {cache.capacity}")
+            cache.k[:, :, start:end] = k
+            cache.v[:, :, start:end] = v
+            cache.length = end
+            k, v = cache.k[:, :, :end], cache.v[:, :, :end]  # (B, Hk, S, Dh) views, no copy
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )  # (B, Hq, Tq, Dh)
+        B, _, Tq, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1))  # (B, Tq, D)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, out_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, out_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TokenGuidedFusion(nn.Module):
+    """METHOD.md §2.1. h = fc([e; F]); c = h + Down(SiLU(Up([normB(normA(h)); normB(e)]))).
+
+    The token embedding enters twice (in fc and as half of the Up input), and one RMSNorm (B)
+    with one scale vector serves both halves, as the official code does. With
+    ``token_guided_fusion=False`` only the fc remains: EAGLE's fusion."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        D, I = cfg.hidden_size, cfg.intermediate_size
+        self.fc = nn.Linear(2 * D, D, bias=cfg.fc_bias)
+        self.refine = cfg.token_guided_fusion
+        if self.refine:
+            self.fc_norm = RMSNorm(D, cfg.rms_norm_eps)  # RMSNorm_A
+            self.expand_norm = RMSNorm(D, cfg.rms_norm_eps)  # RMSNorm_B, shared by both halves
+            self.up_proj = nn.Linear(2 * D, I, bias=False)
+            self.down_proj = nn.Linear(I, D, bias=False)
+
+    def forward(self, embeds: Tensor, features: Tensor) -> Tensor:
+        h = self.fc(torch.cat([embeds, features], dim=-1))  # (B, T, D); order (embedding, feature)
+        if not self.refine:
+            return h
+        z = torch.cat([self.expand_norm(self.fc_norm(h)), self.expand_norm(embeds)], dim=-1)  # (B, T, 2D)
+        return h + self.down_proj(F.silu(self.up_proj(z)))  # (B, T, D)
+
+
+class DraftDecoderLayer(nn.Module):
+    """One LLaMA layer without input norm (EAGLE convention); with TEH its MLP outputs 2D and the
+    residual is duplicated, so the output splits into prediction P and regression R (§2.2)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.two_heads = cfg.token_enhanced_head
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(D, cfg.intermediate_size, 2 * D if self.two_heads else D)
+
+    def forward(self, x_q: Tensor, x_kv: Tensor, rope_q, rope_kv, mask: Tensor, cache=None) -> tuple[Tensor, Tensor]:
+        a = x_q + self.self_attn(x_q, x_kv, rope_q, rope_kv, mask, cache)  # (B, T, D)
+        m = self.mlp(self.post_attention_layernorm(a))  # (B, T, 2D) or (B, T, D)
+        if not self.two_heads:
+            out = a + m
+            return out, out
+        out = torch.cat([a, a], dim=-1) + m  # (B, T, 2D)
+        D = a.shape[-1]
+        return out[..., :D], out[..., D:]  # P (prediction), R (regression)
+
+
+def harmonized_mask(T: int, passes: int, device=None) -> Tensor:
+    """Attention of pass j = ``passes`` over J streams of T columns each (METHOD.md §4.3.1).
+
+    Query row r sees stream 0 (teacher features) at columns 0..r-j+1 and stream k >= 1 only at
+    column r-j+1+k: the KV the draft holds after j-1 autoregressive steps at decode time.
+    E.g. T=3, j=2: row 2 sees stream0 cols {0,1} and stream1 col {2}; row 0 sees stream1 col 0.
+    Returns (T, J*T) bool, True = attend."""
+    r = torch.arange(T, device=device)[:, None]  # (T, 1)
+    c = torch.arange(T, device=device)[None, :]  # (1, T)
+    blocks = [c <= r - passes + 1] + [c == r - passes + 1 + k for k in range(1, passes)]
+    return torch.cat(blocks, dim=1)  # (T, J*T)
+
+
+class GriffinDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight: Tensor, head_weight: Tensor, d2t: Tensor | None = None):
+        """``embed_weight`` (V_target, D) and ``head_weight`` (V_target, D) are the target's frozen
+        tensors; ``d2t`` (V_draft,) lists the target ids of a reduced draft vocabulary."""
+        super().__init__()
+        if (d2t is None) != (cfg.draft_vocab_size is None):
+            raise ValueError("pass d2t exactly when DraftConfig.draft_vocab_size is set")
+        if d2t is not None and d2t.numel() != cfg.draft_vocab_size:
+            raise ValueError(f"d2t has {d2t.numel()} ids but draft_vocab_size={cfg.draft_vocab_size}")
+        self.cfg = cfg
+        self.fusion = TokenGuidedFusion(cfg)
+        self.layer = DraftDecoderLayer(cfg)
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        head = head_weight.detach() if d2t is None else head_weight.detach()[d2t.to(head_weight.device)]
+        self.register_buffer("head_weight", head, persistent=False)  # (V, D), V = draft vocab
+        if d2t is not None:
+            self.register_buffer("d2t", d2t.to(torch.long))  # saved: draft id -> target id
+        else:
+            self.d2t = None
+        # explicit device: stays real when the module is built under torch.device("meta") for loading
+        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=head_weight.device) / cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta**exponent
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def for_target(cls, target: Any, variant: Variant = "griffin", d2t: Tensor | None = None, **overrides: Any):
+        """A freshly initialised draft bound to ``target``'s frozen embedding and LM head."""
+        if d2t is not None:
+            overrides.setdefault("draft_vocab_size", int(d2t.numel()))
+        cfg = DraftConfig.from_target(target.hf_config, variant=variant, **overrides)
+        draft = cls(cfg, target.embed_weight, target.head_weight, d2t)
+        return draft.to(target.device)
+
+    # ---- pieces -------------------------------------------------------------------------
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.fusion.fc.weight.dtype
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, Dh/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (T, Dh)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        with torch.no_grad():
+            return F.embedding(tokens, self.embed_weight)  # (B, T, D)
+
+    def logits(self, prediction: Tensor) -> Tensor:
+        """Token logits over the draft vocabulary from the prediction feature P."""
+        return prediction.to(self.head_weight.dtype) @ self.head_weight.T  # (..., V)
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    def to_draft_ids(self, target_ids: Tensor) -> Tensor:
+        """Target ids -> draft ids; -1 where the token is outside a reduced draft vocabulary."""
+        if self.d2t is None:
+            return target_ids
+        t2d = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
+        t2d[self.d2t] = torch.arange(self.d2t.numel(), device=target_ids.device)
+        return t2d[target_ids]
+
+    # ---- training: harmonized multi-stream forward ------------------------------------
+    def forward(self, streams: list[Tensor], tokens: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Pass j = len(streams) of token-alignable training.
+
+        streams[k]: (B, T, D) input features of stream k (0 = target features); tokens: (B, T)
+        ground-truth next tokens y_t = x_{t+1}, shared by every stream; attention_mask: (B, T)
+        1 for real tokens. Queries come from the last stream. Returns P, R: (B, T, D)."""
+        J, (B, T) = len(streams), tokens.shape
+        streams = [s.to(self.param_dtype) for s in streams]
+        embeds = self.embed(tokens).to(self.param_dtype)  # (B, T, D)
+        fused = [self.fusion(embeds, s) for s in streams]  # J x (B, T, D)
+        x_kv = fused[0] if J == 1 else torch.cat(fused, dim=1)  # (B, J*T, D)
+        pos = torch.arange(T, device=tokens.device)
+        rope_q = self.rope(pos, x_kv.dtype)
+        rope_kv = self.rope(pos.repeat(J), x_kv.dtype)
+        mask = harmonized_mask(T, J, tokens.device)  # (T, J*T)
+        if attention_mask is not None:
+            keys_valid = attention_mask.bool().repeat(1, J)  # (B, J*T)
+            mask = mask[None, None] & keys_valid[:, None, None, :]  # (B, 1, T, J*T)
+            # a padded query row may see no key at all; let it see its own column (it is unused)
+            own = torch.zeros(T, J * T, dtype=torch.bool, device=tokens.device)
+            own[:, (J - 1) * T :] = torch.eye(T, dtype=torch.bool, device=tokens.device)
+            mask = mask | own
+        return self.layer(fused[-1], x_kv, rope_q, rope_kv, mask)
+
+    # ---- decoding: one cached step ----------------------------------------------------
+    def step(
+        self, features: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """features (1, T, D), tokens (1, T), positions (T,), mask (T, cache.length + T) bool.
+        Appends T entries to ``cache``; returns P, R: (1, T, D)."""
+        x = self.fusion(self.embed(tokens).to(self.param_dtype), features.to(self.param_dtype))  # (1, T, D)
+        rope = self.rope(positions, x.dtype)
+        return self.layer(x, x, rope, rope, mask, cache)
+
+
+def count_trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

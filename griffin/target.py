@@ -1,0 +1,218 @@
+"""One adapter over any HF llama/qwen2/mistral-family causal LM (STYLE.md §9).
+
+It needs four things from the target and gets them from stock transformers, with no forked
+``modeling_*.py``: a prefill/verify forward returning the post-norm last-layer features
+(METHOD.md §1) and logits, a 4-D tree mask passed as ``attention_mask`` (HF returns a 4-D mask
+as-is), a preallocated KV cache plugged in as a ``Cache`` of our own layers, and the frozen
+embedding / LM head.
+
+Shape legend: T tokens, N tree nodes, D hidden, V vocab, S cached positions, Hk kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's KV, allocated once at full capacity; entries [0, length) are valid.
+
+    ``update`` writes in place and returns views, so decoding never reallocates; ``keep``
+    compacts the accepted tree path after verification."""
+
+    is_sliding = False
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values  # (1, Hk, S_max, Dh)
+        self.length = 0
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass  # buffers exist from the start
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            raise RuntimeError(f"target KV cache overflow: need {end} > capacity {self.keys.shape[-2]}")
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]  # (1, Hk, S, Dh) views
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def keep(self, start: int, positions: Tensor) -> None:
+        """Move entries ``positions`` to [start, start + len) and drop everything after.
+        E.g. start=10, positions=[10, 12, 15] (root, node 2, node 5 of a tree written at 10..)
+        -> entries 10, 11, 12 now hold them, length = 13."""
+        end = start + positions.numel()
+        self.keys[:, :, start:end] = self.keys[:, :, positions]  # rhs is a gathered copy: no aliasing
+        self.values[:, :, start:end] = self.values[:, :, positions]
+        self.length = end
+
+
+class TargetCache(Cache):
+    def __init__(self, layers: list[PreallocatedLayer]):
+        super().__init__(layers=layers)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].get_max_length()
+
+    def keep(self, start: int, positions: Tensor) -> None:
+        for layer in self.layers:
+            layer.keep(start, positions)
+
+
+class TargetAdapter:
+    """The frozen target: prefill, tree verification, KV compaction, embedding and LM head."""
+
+    def __init__(self, hf_model: Any, tokenizer: Any = None, name: str | None = None):
+        self.model = hf_model.eval()
+        self.backbone = hf_model.get_decoder()
+        self.lm_head = hf_model.get_output_embeddings()
+        self.hf_config = hf_model.config
+        self.tokenizer = tokenizer
+        self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_name: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", **kwargs: Any
+    ) -> "TargetAdapter":
+        """Load from a local directory, an asset name (see ``griffin.assets``) or an HF hub id."""
+        from griffin.assets import resolve_target_path
+
+        path = resolve_target_path(str(path_or_name))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype), attn_implementation=kwargs.pop("attn_implementation", "sdpa"), **kwargs
+        ).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, name=str(path_or_name))
+
+    # ---- facts about the target --------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def embed_weight(self) -> Tensor:
+        return self.model.get_input_embeddings().weight  # (V, D)
+
+    @property
+    def head_weight(self) -> Tensor:
+        return self.lm_head.weight  # (V, D); the embedding itself when tied
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head_weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids from the generation config, the model config and the tokenizer (e.g. both
+        ``<|im_end|>`` and ``<|endoftext|>`` for Qwen2.5); never hard-coded per model."""
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), self.hf_config.eos_token_id,
+                       getattr(self.tokenizer, "eos_token_id", None)):
+            for i in source if isinstance(source, (list, tuple)) else [source]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    # ---- cache -------------------------------------------------------------------------
+    def new_cache(self, capacity: int) -> TargetCache:
+        cfg = self.hf_config
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (1, n_kv, capacity, head_dim)
+        layers = [
+            PreallocatedLayer(
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        return TargetCache(layers)
+
+    # ---- forward passes ----------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,  # (1, T)
+        cache: TargetCache,
+        positions: Tensor | None = None,  # (T,) absolute positions; default: contiguous
+        mask: Tensor | None = None,  # (T, S) bool over cache + new tokens; default: causal
+        all_logits: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        """Runs the target on ``tokens`` after the cached prefix; appends their KV.
+        Returns post-norm features (1, T, D) and logits (1, T, V) (or (1, 1, V) for the last)."""
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=self.device)
+        attn = None
+        if mask is not None:
+            # additive float mask works for both sdpa and eager attention
+            attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+            attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
+            attn = attn[None, None]  # (1, 1, T, S)
+        out = self.backbone(
+            input_ids=tokens, position_ids=positions[None], attention_mask=attn,
+            past_key_values=cache, use_cache=True,
+        )
+        features = out.last_hidden_state  # (1, T, D), after the final norm
+        logits = self.lm_head(features if all_logits else features[:, -1:])  # (1, T|1, V)
+        return features, logits.float()
+
+    def verify(self, tree_tokens: Tensor, tree_depths: Tensor, tree_mask: Tensor, cache: TargetCache):
+        """One forward over a token tree written after the committed prefix (METHOD.md §5.4).
+        tree_tokens/tree_depths: (N,), tree_mask: (N, N) ancestor-or-self. Returns (1,N,D), (1,N,V)."""
+        n = cache.length
+        positions = n + tree_depths.to(self.device)  # (N,)
+        prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
+        mask = torch.cat([prefix, tree_mask.to(self.device)], dim=1)  # (N, n + N)
+        return self.forward(tree_tokens[None].to(self.device), cache, positions, mask)
+
+    def commit(self, cache: TargetCache, prefix_len: int, accepted_nodes: Tensor) -> None:
+        """Keep the KV of the accepted tree nodes (root first) right after the committed prefix."""
+        cache.keep(prefix_len, prefix_len + accepted_nodes.to(self.device))

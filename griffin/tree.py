@@ -1,0 +1,144 @@
+"""EAGLE-2 dynamic draft tree with a GRIFFIN draft (METHOD.md §5.3).
+
+Per round: a catch-up pass feeds the newly committed (target feature, next token) pairs into the
+draft's persistent KV cache; then ``depth`` levels expand the ``top_k`` best nodes by cumulative
+log-probability; finally the ``total_tokens - 1`` best of all proposed candidates form the tree.
+Tree KV entries are written after the committed cache and dropped at the end of the round.
+
+Shape legend: D hidden, V draft vocab, K top-k, N tree nodes (root included), M candidate pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from griffin.config import TreeConfig
+from griffin.model import GriffinDraft, KVCache
+
+
+@dataclass
+class DraftTree:
+    """Node 0 is the root: the last committed-but-unverified token. Nodes are in parent-before-child
+    order and, under one parent, in the draft's rank order."""
+
+    tokens: Tensor  # (N,) target token ids
+    parents: Tensor  # (N,) parent node index; -1 for the root
+    depths: Tensor  # (N,) 0 for the root
+    mask: Tensor  # (N, N) bool: row i = i and its ancestors
+    retrieve: Tensor  # (P, max_depth + 1) node indices root -> leaf, padded with -1
+    children: list[list[int]] = field(default_factory=list)  # node -> children, rank order
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+
+def catch_up(draft: GriffinDraft, cache: KVCache, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Feed committed pairs (f_p, x_{p+1}) at positions cache.length.. (METHOD.md §1 shift).
+    features: (1, T, D) target features; tokens: (1, T). Returns P, R of the last pair: (1, D) each."""
+    start, T = cache.length, tokens.shape[1]
+    positions = torch.arange(start, start + T, device=tokens.device)
+    rows = torch.arange(T, device=tokens.device)[:, None]
+    cols = torch.arange(start + T, device=tokens.device)[None, :]
+    mask = cols <= start + rows  # (T, start + T) causal over cache + new
+    P, R = draft.step(features, tokens, positions, cache, mask)
+    return P[:, -1], R[:, -1]
+
+
+def _top_k_log_probs(draft: GriffinDraft, prediction: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """prediction: (..., D) -> log-probs and target ids of the k best tokens: (..., K) each."""
+    log_probs = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (..., V)
+    top = log_probs.topk(k, dim=-1)
+    return top.values, draft.to_target_ids(top.indices)
+
+
+@torch.inference_mode()
+def draft_tree(
+    draft: GriffinDraft,
+    cache: KVCache,
+    features: Tensor,  # (1, T, D) target features of the newly committed positions
+    tokens: Tensor,  # (1, T) the tokens that follow them; tokens[0, -1] is the root
+    cfg: TreeConfig,
+) -> DraftTree:
+    root = tokens[0, -1:]
+    P, R = catch_up(draft, cache, features, tokens)  # (1, D) each
+    if cfg.total_tokens == 1:
+        return _assemble(root, torch.empty(0), torch.empty(0, dtype=torch.long),
+                         torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), 0)
+    stable_len, K, device = cache.length, cfg.top_k, tokens.device
+
+    # Level 1: the root's children. Scores are cumulative log-probs.
+    scores, node_tokens = _top_k_log_probs(draft, P, K)  # (1, K)
+    scores, node_tokens = scores[0], node_tokens[0]  # (K,)
+    pool_scores, pool_tokens = [scores], [node_tokens]
+    pool_parents = [torch.full((K,), -1, dtype=torch.long, device=device)]  # -1 = root
+    pool_depths = [torch.ones(K, dtype=torch.long, device=device)]
+    node_pool_idx = torch.arange(K, device=device)  # pool index of each current node
+    node_features = R.expand(K, -1)  # (K, D): every level-1 node gets the root position's R
+    node_anc = torch.zeros(K, 0, dtype=torch.bool, device=device)  # (K, E) ancestors among tree entries
+
+    for level in range(2, cfg.depth + 1):
+        # Feed the K current nodes (all at one position) and expand each into K children.
+        E = node_anc.shape[1]
+        tree_rows = torch.cat([node_anc, torch.eye(K, dtype=torch.bool, device=device)], dim=1)  # (K, E+K)
+        mask = torch.cat([torch.ones(K, stable_len, dtype=torch.bool, device=device), tree_rows], dim=1)
+        positions = torch.full((K,), stable_len + level - 2, device=device)
+        P, R = draft.step(node_features[None], node_tokens[None], positions, cache, mask)  # (1, K, D)
+        child_lp, child_tokens = _top_k_log_probs(draft, P[0], K)  # (K, K)
+        cand_scores = (scores[:, None] + child_lp).flatten()  # (K*K,)
+        # E.g. K=2: candidates [c00, c01, c10, c11] have parents [n0, n0, n1, n1]
+        parent_local = torch.arange(K, device=device).repeat_interleave(K)  # (K*K,)
+        pool_scores.append(cand_scores)
+        pool_tokens.append(child_tokens.flatten())
+        pool_parents.append(node_pool_idx[parent_local])
+        pool_depths.append(torch.full((K * K,), level, dtype=torch.long, device=device))
+        # The best K candidates become the next level's nodes.
+        best = cand_scores.topk(K).indices  # (K,)
+        pool_offset = sum(s.numel() for s in pool_scores[:-1])
+        node_pool_idx = pool_offset + best
+        scores, node_tokens = cand_scores[best], child_tokens.flatten()[best]
+        node_features = R[0, parent_local[best]]  # (K, D): parent's regression feature
+        node_anc = tree_rows[parent_local[best]]  # (K, E+K): parent's row (ancestors + parent)
+
+    cache.length = stable_len  # drop the tree's draft KV; only committed positions persist
+    return _assemble(root, torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents),
+                     torch.cat(pool_depths), cfg.total_tokens - 1)
+
+
+def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, n_keep: int) -> DraftTree:
+    """Rerank the candidate pool (M,) to the n_keep best and build mask / depths / retrieve indices."""
+    device = root.device
+    # Stable sort: on equal scores the lower pool index (an ancestor) wins, so the kept set is
+    # closed under ancestors even when a child's log-prob rounds to 0.
+    order = torch.sort(scores, descending=True, stable=True).indices[:n_keep]
+    keep = torch.sort(order).values  # pool order = parent before child, rank order among siblings
+    node_of_pool = torch.full((scores.numel() + 1,), -1, dtype=torch.long, device=device)
+    node_of_pool[keep] = torch.arange(1, n_keep + 1, device=device)
+    # E.g. keep=[0, 3, 12]: pool 0 -> node 1, pool 3 -> node 2, pool 12 -> node 3; parent -1 -> root 0
+    node_parents = torch.where(parents[keep] < 0, 0, node_of_pool[parents[keep].clamp(min=0)])
+    assert bool((node_parents >= 0).all()), "reranked tree lost an ancestor"
+    N = n_keep + 1
+    all_parents = torch.cat([torch.tensor([-1], device=device), node_parents])  # (N,)
+    all_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), depths[keep]])  # (N,)
+    all_tokens = torch.cat([root, tokens[keep].to(root.dtype)])  # (N,)
+
+    mask = torch.eye(N, dtype=torch.bool, device=device)
+    ancestor = all_parents.clone()
+    for _ in range(int(all_depths.max())):  # climb one generation per iteration
+        has = ancestor >= 0
+        mask[torch.arange(N, device=device)[has], ancestor[has]] = True
+        ancestor = torch.where(has, all_parents[ancestor.clamp(min=0)], ancestor)
+
+    children: list[list[int]] = [[] for _ in range(N)]
+    for node, parent in enumerate(all_parents.tolist()[1:], start=1):
+        children[parent].append(node)
+    leaves = torch.tensor([i for i in range(N) if not children[i]], device=device)
+    # retrieve[p, d] = the depth-d node on leaf p's path; e.g. leaf 5 with ancestors 0,2 at depths
+    # 0,1 and itself at depth 2 -> [0, 2, 5, -1, ...]
+    retrieve = torch.full((leaves.numel(), int(all_depths.max()) + 1), -1, dtype=torch.long, device=device)
+    rows, cols = mask[leaves].nonzero(as_tuple=True)
+    retrieve[rows, all_depths[cols]] = cols
+    return DraftTree(all_tokens, all_parents, all_depths, mask, retrieve, children)

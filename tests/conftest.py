@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random targets built from a config (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from griffin.target import TargetAdapter
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+
+
+def make_target(arch: str = "llama", seed: int = 0, **overrides) -> TargetAdapter:
+    torch.manual_seed(seed)
+    fields = {**TINY, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0, **overrides}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**fields, tie_word_embeddings=False))
+    elif arch == "llama-tied":
+        model = LlamaForCausalLM(LlamaConfig(**fields, tie_word_embeddings=True))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**fields, tie_word_embeddings=False))
+    else:
+        raise ValueError(arch)
+    model.config._attn_implementation = "sdpa"
+    return TargetAdapter(model.float(), name=f"tiny-{arch}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> TargetAdapter:
+    return make_target("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> TargetAdapter:
+    return make_target("qwen2", seed=1)
+
+
+class OracleDraft(torch.nn.Module):
+    """A test draft whose proposals are the target's own next-token logits, so nearly every draft
+    token is accepted (the opposite worst case to an untrained draft). It mimics
+    ``GriffinDraft.step`` / ``logits`` by replaying each query's visible token context through the
+    target without a cache; features are ignored."""
+
+    def __init__(self, target: TargetAdapter, first_token: int):
+        super().__init__()
+        from griffin.config import DraftConfig
+
+        self.target = target
+        self.cfg = DraftConfig.from_target(target.hf_config, variant="eagle")
+        self.head_weight = target.head_weight
+        self.d2t = None
+        self.first_token = first_token
+        self.entry_tokens: list[int] = []  # token of each draft-cache entry
+
+    param_dtype = torch.float32
+
+    def logits(self, prediction):
+        return prediction  # step() already returns logits as the "prediction"
+
+    def to_target_ids(self, ids):
+        return ids
+
+    def step(self, features, tokens, positions, cache, mask):
+        del self.entry_tokens[cache.length:]  # the tree code rolls back cache.length each round
+        self.entry_tokens.extend(tokens[0].tolist())
+        cache.length += tokens.shape[1]
+        rows = []
+        for row in mask.tolist():
+            context = [self.first_token] + [t for t, seen in zip(self.entry_tokens, row) if seen]
+            out = self.target.model(torch.tensor([context]))
+            rows.append(out.logits[0, -1])
+        logits = torch.stack(rows)[None]  # (1, T, V)
+        return logits, torch.zeros(1, tokens.shape[1], self.cfg.hidden_size)
