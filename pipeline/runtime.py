@@ -1,0 +1,53 @@
+"""Connecting to Ray and MLflow the same way from every stage.
+
+Local default (DESIGN.md "Ray conventions"): ``ray.init(address="local", num_cpus=...)`` unless
+``cluster.address`` or ``RAY_ADDRESS`` names a cluster; token auth and usage stats off for the local
+cluster. MLflow: the run's tracking URI (embedded sqlite by default) for tracking and registry.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipeline.config import RunConfig
+
+LOCAL_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def ensure_ray(cfg: RunConfig) -> None:
+    """Connect to the configured cluster, or start a local Ray on 127.0.0.1."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    for key, value in LOCAL_ENV.items():
+        os.environ.setdefault(key, value)
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    runtime_env = dict(cfg.cluster.runtime_env) or None
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=True)
+
+
+def setup_mlflow(cfg: RunConfig):
+    """Point MLflow at the run's tracking store (and registry); returns the mlflow module."""
+    import mlflow
+
+    uri = cfg.tracking_uri
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    artifact_root = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
+    if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
+        try:
+            mlflow.create_experiment(cfg.tracking.experiment,
+                                     artifact_location=artifact_root if uri.startswith("sqlite") else None)
+        except Exception as error:  # another process created it first
+            if "already exists" not in str(error):
+                raise
+    mlflow.set_experiment(cfg.tracking.experiment)
+    return mlflow

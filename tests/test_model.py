@@ -1,0 +1,99 @@
+"""Draft model: cached == uncached, harmonized attention, variants, reduced vocabulary."""
+
+import pytest
+import torch
+
+from griffin.model import GriffinDraft, KVCache, count_trainable, harmonized_mask
+from tests.conftest import make_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+def causal(start, T):
+    return torch.arange(start + T)[None, :] <= start + torch.arange(T)[:, None]
+
+
+@pytest.mark.parametrize("variant", ["griffin", "eagle"])
+def test_cached_step_equals_uncached_forward(target, variant):
+    draft = GriffinDraft.for_target(target, variant=variant).eval()
+    feats, tokens = torch.randn(1, 11, 64), torch.randint(0, 128, (1, 11))
+    full_p, full_r = draft([feats], tokens)
+    cache, outs = KVCache.allocate(draft.cfg, 32), []
+    for lo, hi in [(0, 4), (4, 5), (5, 11)]:  # chunks of different sizes
+        p, r = draft.step(feats[:, lo:hi], tokens[:, lo:hi], torch.arange(lo, hi), cache, causal(lo, hi - lo))
+        outs.append((p, r))
+    assert torch.allclose(torch.cat([o[0] for o in outs], 1), full_p, atol=1e-5)
+    assert torch.allclose(torch.cat([o[1] for o in outs], 1), full_r, atol=1e-5)
+    assert cache.length == 11
+
+
+def test_harmonized_mask_hand_built():
+    """T=4, pass 3: row r sees stream0 cols <= r-2, stream1 col r-1, stream2 col r (METHOD.md §4.3.1)."""
+    m = harmonized_mask(4, 3).int()
+    expected = torch.tensor([
+        # stream 0     stream 1      stream 2
+        [0, 0, 0, 0,  0, 0, 0, 0,  1, 0, 0, 0],
+        [0, 0, 0, 0,  1, 0, 0, 0,  0, 1, 0, 0],
+        [1, 0, 0, 0,  0, 1, 0, 0,  0, 0, 1, 0],
+        [1, 1, 0, 0,  0, 0, 1, 0,  0, 0, 0, 1],
+    ])
+    assert torch.equal(m, expected)
+    assert torch.equal(harmonized_mask(3, 1), causal(0, 3))
+
+
+@pytest.mark.parametrize("passes", [2, 3])
+def test_harmonized_pass_equals_decode_time_draft_kv(target, passes):
+    """Row r of pass j == a cached decode whose KV is the true context up to r-j+1 followed by one
+    draft-stream entry per later step: what the draft holds after j-1 autoregressive steps."""
+    draft = GriffinDraft.for_target(target).eval()
+    T = 7
+    streams = [torch.randn(1, T, 64) for _ in range(passes)]
+    tokens = torch.randint(0, 128, (1, T))
+    P, R = draft(streams, tokens)
+    for r in range(passes - 1, T):
+        cache, n_true = KVCache.allocate(draft.cfg, 32), r - passes + 2
+        draft.step(streams[0][:, :n_true], tokens[:, :n_true], torch.arange(n_true), cache, causal(0, n_true))
+        for k in range(1, passes):
+            col = r - passes + 1 + k
+            p, rr = draft.step(streams[k][:, col:col + 1], tokens[:, col:col + 1], torch.tensor([col]), cache,
+                               torch.ones(1, cache.length + 1, dtype=torch.bool))
+        assert torch.allclose(p[0, 0], P[0, r], atol=1e-5) and torch.allclose(rr[0, 0], R[0, r], atol=1e-5)
+
+
+def test_padding_mask_does_not_change_real_rows(target):
+    draft = GriffinDraft.for_target(target).eval()
+    feats, tokens = torch.randn(1, 6, 64), torch.randint(0, 128, (1, 6))
+    p_short, _ = draft([feats[:, :4]] * 2, tokens[:, :4])
+    p_pad, _ = draft([feats] * 2, tokens, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]))
+    assert torch.allclose(p_pad[:, :4], p_short, atol=1e-5) and torch.isfinite(p_pad).all()
+
+
+def test_variants_and_teh_split(target):
+    griffin, eagle = GriffinDraft.for_target(target, "griffin"), GriffinDraft.for_target(target, "eagle")
+    assert griffin.layer.mlp.down_proj.out_features == 128 and eagle.layer.mlp.down_proj.out_features == 64
+    assert hasattr(griffin.fusion, "up_proj") and not hasattr(eagle.fusion, "up_proj")
+    P, R = eagle([torch.randn(1, 3, 64)], torch.randint(0, 128, (1, 3)))
+    assert torch.equal(P, R)  # one output serves both roles without TEH
+    P, R = griffin([torch.randn(1, 3, 64)], torch.randint(0, 128, (1, 3)))
+    assert not torch.equal(P, R)
+
+
+def test_frozen_target_weights_are_shared_not_trained(target):
+    draft = GriffinDraft.for_target(target)
+    assert draft.embed_weight.data_ptr() == target.embed_weight.data_ptr()
+    assert draft.head_weight.data_ptr() == target.head_weight.data_ptr()
+    assert not any(k in draft.state_dict() for k in ("embed_weight", "head_weight"))
+    assert count_trainable(draft) == sum(p.numel() for p in draft.parameters())
+
+
+def test_reduced_vocabulary_maps_ids(target):
+    d2t = torch.tensor([5, 7, 2, 100])
+    draft = GriffinDraft.for_target(target, d2t=d2t)
+    assert draft.cfg.draft_vocab_size == 4
+    assert torch.equal(draft.head_weight, target.head_weight[d2t])
+    assert draft.to_target_ids(torch.tensor([3, 0])).tolist() == [100, 5]
+    assert draft.to_draft_ids(torch.tensor([100, 6, 2])).tolist() == [3, -1, 2]
+    assert draft.logits(torch.randn(2, 64)).shape == (2, 4)

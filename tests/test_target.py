@@ -1,0 +1,60 @@
+"""Target adapter: post-norm features, tree verification in one pass, KV compaction."""
+
+import pytest
+import torch
+
+from tests.conftest import make_target
+from tests.test_sampling import hand_tree
+
+PROMPT = torch.tensor([[3, 17, 42, 9, 77]])
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2"])
+def test_prefill_features_are_post_norm_last_hidden_state(arch):
+    target = make_target(arch)
+    features, logits = target.forward(PROMPT, target.new_cache(16))
+    ref = target.model(PROMPT, output_hidden_states=True)
+    assert torch.allclose(features, ref.hidden_states[-1], atol=1e-5)
+    assert torch.allclose(logits, ref.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_verify_equals_each_path_separately(arch):
+    target = make_target(arch)
+    tree = hand_tree()  # 7 nodes, root token 4, depth 2
+    tree.tokens[:] = torch.tensor([11, 20, 21, 22, 30, 31, 40])
+    cache = target.new_cache(32)
+    target.forward(PROMPT, cache)
+    feats, logits = target.verify(tree.tokens, tree.depths, tree.mask, cache)
+    for path in tree.retrieve.tolist():
+        path = [n for n in path if n >= 0]
+        seq = torch.cat([PROMPT, tree.tokens[path][None]], dim=1)
+        ref = target.model(seq, output_hidden_states=True)
+        assert torch.allclose(logits[0, path], ref.logits[0, PROMPT.shape[1]:], atol=1e-4)
+        assert torch.allclose(feats[0, path], ref.hidden_states[-1][0, PROMPT.shape[1]:], atol=1e-5)
+
+
+def test_commit_keeps_exactly_the_accepted_path():
+    """After verify + commit of root -> node 2 -> node 6, the next step's logits equal a plain
+    forward of prompt + those tokens + the next token."""
+    target = make_target("llama")
+    tree = hand_tree()
+    cache = target.new_cache(32)
+    target.forward(PROMPT, cache)
+    target.verify(tree.tokens, tree.depths, tree.mask, cache)
+    target.commit(cache, PROMPT.shape[1], torch.tensor([0, 2, 6]))
+    assert cache.length == PROMPT.shape[1] + 3
+    _, logits = target.forward(torch.tensor([[55]]), cache)
+    seq = torch.cat([PROMPT, tree.tokens[[0, 2, 6]][None], torch.tensor([[55]])], dim=1)
+    assert torch.allclose(logits[0, -1], target.model(seq).logits[0, -1], atol=1e-4)
+
+
+def test_cache_overflow_is_an_error():
+    target = make_target("llama")
+    with pytest.raises(RuntimeError, match="overflow"):
+        target.forward(PROMPT, target.new_cache(3))
+
+
+def test_tied_head_is_the_embedding():
+    target = make_target("llama-tied")
+    assert target.head_weight.data_ptr() == target.embed_weight.data_ptr()

@@ -1,0 +1,63 @@
+"""EAGLE-2 tree construction: budget, ordering, masks, retrieve indices, cache hygiene."""
+
+import pytest
+import torch
+
+from griffin.config import TreeConfig
+from griffin.model import GriffinDraft, KVCache
+from griffin.tree import draft_tree
+from tests.conftest import make_target
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target).eval()
+    torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.3)  # peakier draft: deeper trees
+    return target, draft
+
+
+def build(setup, cfg, T=9):
+    target, draft = setup
+    cache = KVCache.allocate(draft.cfg, 128)
+    tree = draft_tree(draft, cache, torch.randn(1, T, 64), torch.randint(3, 128, (1, T)), cfg)
+    return tree, cache
+
+
+@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig(total_tokens=6, depth=5, top_k=1),
+                                 TreeConfig(total_tokens=1, depth=1, top_k=1), TreeConfig(total_tokens=25, depth=4, top_k=5)])
+def test_tree_invariants(setup, cfg):
+    tree, cache = build(setup, cfg)
+    N = cfg.total_tokens
+    assert tree.size == N and cache.length == 9  # tree KV was dropped; the catch-up stayed
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    assert parents[0] == -1 and depths[0] == 0
+    for i in range(1, N):
+        assert 0 <= parents[i] < i and depths[i] == depths[parents[i]] + 1 <= cfg.depth
+    for i in range(N):  # mask row = self + ancestors
+        anc, j = {i}, i
+        while parents[j] >= 0:
+            j = parents[j]
+            anc.add(j)
+        assert set(tree.mask[i].nonzero().flatten().tolist()) == anc
+    for row in tree.retrieve.tolist():  # each row is a root-to-leaf path
+        path = [n for n in row if n >= 0]
+        assert path[0] == 0 and not tree.children[path[-1]]
+        assert all(parents[b] == a for a, b in zip(path, path[1:]))
+    for kids in tree.children:  # siblings carry distinct tokens
+        assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
+
+
+def test_chain_follows_the_draft_argmax(setup):
+    target, draft = setup
+    tree, _ = build(setup, TreeConfig(total_tokens=4, depth=3, top_k=1))
+    assert tree.depths.tolist() == [0, 1, 2, 3]
+
+
+def test_catch_up_accumulates_across_rounds(setup):
+    target, draft = setup
+    cache = KVCache.allocate(draft.cfg, 128)
+    cfg = TreeConfig(total_tokens=10, depth=3, top_k=3)
+    draft_tree(draft, cache, torch.randn(1, 5, 64), torch.randint(3, 128, (1, 5)), cfg)
+    draft_tree(draft, cache, torch.randn(1, 2, 64), torch.randint(3, 128, (1, 2)), cfg)
+    assert cache.length == 7
