@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("stage", help="featurize | train | register | eval | serve | run")
             p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
-            p.add_argument("--no-wait", action="store_true", help="return after submitting")
+            p.add_argument("--no-wait", action="store_true", default=None, help="return after submitting")
         if name == "eval":
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
     return parser
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in {"command", "config", "overrides"} and v is not None}
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "submit":  # the job re-reads the same file and overrides on the cluster
+            flags.update(config_path=args.config, overrides=args.overrides)
         module_name, func_name = COMMANDS[args.command][0].split(":")
         result = getattr(importlib.import_module(module_name), func_name)(cfg, **flags)
     except (ValueError, FileNotFoundError) as error:

@@ -79,6 +79,7 @@ class TrainSection(Section):
     num_to_keep: int = Field(default=2, ge=1)
     max_failures: int = Field(default=2, ge=0)
     seed: int = 0
+    debug_fail_at_step: int | None = Field(default=None, ge=1, description="testing hook: raise once at this step")
 
 
 class TrackingSection(Section):
@@ -97,6 +98,9 @@ class ServeSection(Section):
     draft_uri: str | None = Field(default=None, description="models:/<name>@champion, a run URI or a directory")
     model_name: str | None = Field(default=None, description="the name clients pass as 'model'")
     num_replicas: int = Field(default=1, ge=1)
+    autoscaling: dict[str, Any] | None = Field(
+        default=None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas"
+    )
     max_ongoing_requests: int = Field(default=4, ge=1)
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
@@ -123,7 +127,8 @@ class EvalSection(Section):
 class ClusterSection(Section):
     address: str | None = Field(default=None, description="Ray address; None = a local Ray")
     num_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray")
-    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="merged into each submitted job's runtime_env")
+    python: str | None = Field(default=None, description="interpreter for submitted jobs; default: the submitter's")
 
 
 class RunConfig(Section):

@@ -78,3 +78,21 @@ class OracleDraft(torch.nn.Module):
             rows.append(out.logits[0, -1])
         logits = torch.stack(rows)[None]  # (1, T, V)
         return logits, torch.zeros(1, tokens.shape[1], self.cfg.hidden_size)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the session (127.0.0.1), shut down at the end. Logical CPUs exceed the
+    2 physical cores so that 2 train workers and Ray Data tasks can be placed at once."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=True)
+    yield
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()

@@ -1,0 +1,8 @@
+"""Ray job entrypoint: `python -m jobs.train -c CONFIG [section.field=value ...]`."""
+
+import sys
+
+from jobs._entry import main
+
+if __name__ == "__main__":
+    sys.exit(main("pipeline.train:run_train"))

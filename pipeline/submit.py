@@ -1,0 +1,79 @@
+"""``griffin submit <stage> -c CONFIG --address http://HEAD:8265``: one stage as a Ray job.
+
+The job runs ``python -m jobs.<stage> -c CONFIG [overrides]`` on the cluster with a runtime_env
+whose working_dir is this repository (code, configs) plus whatever ``cluster.runtime_env`` adds
+(e.g. ``pip`` with the pinned constraints for a cluster without the packages). Paths in the config
+must be valid on the cluster: use shared-filesystem paths or object-store URIs for
+``output_dir`` / ``features.store`` (see infra/README.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = {"featurize": "featurize", "train": "train", "register": "register", "eval": "evaluate",
+          "serve": "serve", "run": "run"}
+EXCLUDES = [".venv", ".git", "outputs", "**/__pycache__", "benchmarks/*.png", "*.egg-info"]
+
+
+def job_entrypoint(stage: str, config_path: str, overrides: list[str], python: str | None = None) -> str:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {sorted(STAGES)}")
+    config = Path(config_path).resolve()
+    try:
+        config_arg = str(config.relative_to(REPO))  # inside the working_dir that travels with the job
+    except ValueError:
+        raise ValueError(f"config {config_path} must live inside the repository ({REPO}) to travel with the job") from None
+    parts = [python or sys.executable, "-m", f"jobs.{STAGES[stage]}", "-c", config_arg, *overrides]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def runtime_env(cfg: RunConfig) -> dict[str, Any]:
+    env = {"working_dir": str(REPO), "excludes": EXCLUDES,
+           "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "GRIFFIN_CACHE_DIR": os.environ.get("GRIFFIN_CACHE_DIR", "")}}
+    extra = dict(cfg.cluster.runtime_env)
+    env["env_vars"] = {k: v for k, v in {**env["env_vars"], **extra.pop("env_vars", {})}.items() if v}
+    return {**env, **extra}
+
+
+async def _stream_logs(client, job_id: str) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        print(lines, end="", flush=True)
+
+
+def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None = None,
+               overrides: list[str] | None = None, no_wait: bool | None = False, timeout_s: float = 3600) -> dict[str, Any]:
+    """Submit, stream the logs until the job ends (unless ``no_wait``), return its status."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    client = JobSubmissionClient(address)
+    if config_path is None:
+        raise ValueError("griffin submit needs the config file path (-c) to send with the job")
+    entrypoint = job_entrypoint(stage, config_path, overrides or [], cfg.cluster.python)
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env(cfg),
+                               metadata={"griffin_stage": stage, "run_name": cfg.run_name})
+    print(f"[submit] {stage} -> {address} as {job_id}: {entrypoint}", flush=True)
+    if no_wait:
+        return {"job_id": job_id, "status": str(client.get_job_status(job_id))}
+    try:
+        asyncio.run(asyncio.wait_for(_stream_logs(client, job_id), timeout=timeout_s))
+    except asyncio.TimeoutError:
+        client.stop_job(job_id)
+    deadline = time.time() + 60
+    status = client.get_job_status(job_id)
+    while not status.is_terminal() and time.time() < deadline:
+        time.sleep(1)
+        status = client.get_job_status(job_id)
+    if status != JobStatus.SUCCEEDED:
+        raise RuntimeError(f"job {job_id} ({stage}) ended as {status}: {client.get_job_info(job_id).message}")
+    return {"job_id": job_id, "status": str(status)}

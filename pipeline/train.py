@@ -1,0 +1,255 @@
+"""Token-alignable training on Ray Train (METHOD.md §4; issue 4).
+
+``run_train(cfg)`` runs the schedule stage by stage (stage 1: one pass; stage j: j harmonized
+passes), each stage a ``TorchTrainer`` run named ``<run_name>-stage<j>`` under
+``<run_dir>/ray_train`` and initialised from the previous stage's best draft. The worker loop only
+wires data, DDP, reporting and checkpoints; the step and the evaluation are ``griffin.training``.
+
+Outputs: ``<run_dir>/train/stage<j>/best`` (a draft directory) and ``_complete.json`` per stage,
+and ``<run_dir>/train/best`` for the last stage. A rerun skips completed stages and resumes an
+interrupted one from its latest checkpoint (same run name + storage path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from griffin.config import TrainConfig
+from griffin.model import GriffinDraft
+from griffin.training import acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, train_step
+from griffin.weights import load_draft, save_draft
+from pipeline.config import RunConfig, StageSection, config_from_dict
+from pipeline.runtime import ensure_ray, setup_mlflow
+from pipeline.store import check_capture_key, ray_dataset
+from pipeline.targets import load_target, target_fingerprint
+from pipeline.train_data import eval_split, rank_rows, reduced_vocabulary, shifted_batches
+
+SCORE = "eval/sim_accept_len"
+
+
+def stage_dir(cfg: RunConfig, stage: int) -> Path:
+    return cfg.run_dir / "train" / f"stage{stage}"
+
+
+def method_config(cfg: RunConfig, stage: StageSection) -> TrainConfig:
+    """The loss/optimizer config of one stage: variant and stage come from the run, not the YAML."""
+    return cfg.train.method.model_copy(update={"variant": cfg.draft.variant, "stage": stage.stage,
+                                               "lr": stage.lr or cfg.train.method.lr})
+
+
+# ---------------------------------------------------------------- worker side -------------
+def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | None) -> GriffinDraft:
+    if init_dir:
+        return load_draft(init_dir, target, dtype=torch.float32)  # fp32 master weights
+    torch.manual_seed(cfg.train.seed)  # identical init on every rank
+    d2t_tensor = torch.tensor(d2t) if d2t else None
+    draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, d2t=d2t_tensor, **cfg.draft.overrides)
+    return draft.float()
+
+
+def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
+    if rank == 0:
+        save_draft(draft, directory / "draft", provenance)
+    weights = hashlib.sha256(b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                      for p in draft.parameters())).hexdigest()  # ranks must agree (DDP)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "rows_consumed": rows, "rng": torch.get_rng_state(), "weights_sha256": weights},
+               directory / f"train_state_rank{rank}.pt")
+
+
+def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
+    if checkpoint is None:
+        return 0, 0
+    from safetensors.torch import load_file
+
+    with checkpoint.as_directory() as directory:
+        draft.load_state_dict(load_file(Path(directory) / "draft" / "model.safetensors"), strict=True)
+        state = torch.load(Path(directory) / f"train_state_rank{rank}.pt", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return state["step"], state["rows_consumed"]
+
+
+def _evaluate(draft, eval_rows: list[dict], cfg: RunConfig, target_head, world: int) -> dict[str, float]:
+    counts = torch.zeros(2, cfg.train.eval_steps, dtype=torch.float64)
+    for batch, _ in shifted_batches(iter(eval_rows), cfg.train.batch_tokens, draft.cfg.hidden_size, target_head.device):
+        counts += acceptance_counts(draft, batch, cfg.train.eval_steps, target_head)
+    if world > 1:
+        torch.distributed.all_reduce(counts)
+    return acceptance_metrics(counts)
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    cfg, stage = config_from_dict(config["run"]), StageSection(**config["stage"])
+    method = method_config(cfg, stage)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    target = load_target(cfg.target)
+    draft = _init_draft(cfg, target, config["init_dir"], config["d2t"]).to(device)
+    model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
+    optimizer = make_optimizer(draft, method)
+    scheduler = make_scheduler(optimizer, method)
+    step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
+    rows = rank_rows(ray.train.get_dataset_shard("train"), rank, world, cfg.train.seed, rows_consumed)
+    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device)
+    eval_rows = [r for i, r in enumerate(ray.train.get_dataset_shard("eval").iter_rows()) if i % world == rank]
+    client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
+    fail_marker = Path(config["stage_dir"]) / "_injected_failure"
+    started, tokens_done, first_step = time.time(), 0.0, step
+
+    while step < stage.steps:
+        micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
+        generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
+        metrics = train_step(model, draft, micro, optimizer, scheduler, method, cfg.train.precision == "bf16", generator)
+        step += 1
+        rows_consumed += sum(len(x) for x in ids)
+        tokens_done += metrics["tokens"] * world
+        if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
+            fail_marker.touch()
+            raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
+        with open(Path(config["stage_dir"]) / f"data_rank{rank}.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "sample_ids": [s for batch in ids for s in batch]}) + "\n")
+        report = {f"train/{k}": v for k, v in metrics.items()}
+        do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
+        if do_ckpt or step % cfg.train.eval_every == 0:
+            report.update(_evaluate(draft, eval_rows, cfg, target.head_weight.to(device), world))
+        if rank == 0:
+            elapsed = time.time() - started
+            rate = tokens_done / max(elapsed, 1e-9)
+            eta = elapsed / (step - first_step) * (stage.steps - step)
+            print(f"[train stage {stage.stage}] step {step}/{stage.steps} loss {metrics['loss']:.4f} "
+                  f"tok/s {rate:.0f} eta {eta:.0f}s" + (f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""),
+                  flush=True)
+            client.log_batch(config["mlflow_run_id"], metrics=[
+                Metric(k, float(v), int(time.time() * 1000), step) for k, v in report.items()])
+        if do_ckpt:
+            with tempfile.TemporaryDirectory() as tmp:
+                provenance = {**config["provenance"], "step": step, "metrics": report}
+                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, rows_consumed, rank, provenance)
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        elif SCORE in report:
+            ray.train.report(report)
+
+
+# ---------------------------------------------------------------- driver side -------------
+def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
+    import ray.data
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = stage_dir(cfg, stage.stage)
+    out.mkdir(parents=True, exist_ok=True)
+    mlflow = setup_mlflow(cfg)
+    run_id_file = out / "mlflow_run_id"
+    if not run_id_file.exists():  # reuse the MLflow run when an interrupted stage resumes
+        with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}") as run:
+            mlflow.log_params({"variant": cfg.draft.variant, "stage": stage.stage, "steps": stage.steps,
+                               "workers": cfg.train.num_workers, **method_config(cfg, stage).model_dump()})
+            mlflow.log_dict(cfg.resolved(), "resolved_config.json")
+            run_id_file.write_text(run.info.run_id)
+    run_id = run_id_file.read_text().strip()
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    full = ray_dataset(cfg.store_path)
+    eval_ids = context["eval_ids"]
+    datasets = {"train": full.filter(lambda row: row["sample_id"] not in eval_ids),
+                "eval": full.filter(lambda row: row["sample_id"] in eval_ids)}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "init_dir": init_dir, "d2t": d2t,
+                           "mlflow_run_id": run_id, "stage_dir": str(out.resolve()),
+                           "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id,
+                                          "init_from": init_dir}},
+        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=[]),  # each rank takes its own deterministic share
+        run_config=RayRunConfig(
+            name=f"{cfg.run_name}-stage{stage.stage}", storage_path=str((cfg.run_dir / "ray_train").resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE,
+                                               checkpoint_score_order="max"),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+    )
+    result = trainer.fit()
+    best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
+    with best_checkpoint.as_directory() as directory:
+        shutil.rmtree(out / "best", ignore_errors=True)
+        shutil.copytree(Path(directory) / "draft", out / "best")
+    _log_curves(mlflow, run_id, out)
+    summary = {"stage": stage.stage, "best_metrics": best_metrics, "mlflow_run_id": run_id, "best": str(out / "best")}
+    (out / "_complete.json").write_text(json.dumps(summary, indent=2, default=str))
+    return out / "best"
+
+
+def _log_curves(mlflow, run_id: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    client = mlflow.tracking.MlflowClient()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, keys in zip(axes, (["train/loss", "train/value", "train/token"], [SCORE, "eval/acc_0"])):
+        for key in keys:
+            history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+            if history:
+                ax.plot([m.step for m in history], [m.value for m in history], label=key)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=90)
+    plt.close(fig)
+    client.log_artifact(run_id, str(out / "curves.png"))
+
+
+def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
+    """Train every stage of ``cfg.train.schedule`` (or only ``stage``), resuming where it stopped."""
+    schedule = cfg.train.schedule
+    if stage is not None and stage not in [s.stage for s in schedule]:
+        raise ValueError(f"stage {stage} is not in train.schedule (stages: {[s.stage for s in schedule]})")
+    ensure_ray(cfg)
+    target = load_target(cfg.target)
+    manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len)
+    manifest_sha = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()
+    eval_ids = eval_split(cfg.store_path, cfg.train.eval_fraction)
+    d2t = None
+    if cfg.draft.draft_vocab_size:
+        d2t = reduced_vocabulary(cfg.store_path, cfg.draft.draft_vocab_size, target.vocab_size, eval_ids).tolist()
+    context = {"eval_ids": eval_ids, "provenance": {
+        "store": cfg.store_path,
+        "algorithm": "griffin", "variant": cfg.draft.variant, "target": target_fingerprint(target),
+        "feature_manifest_sha256": manifest_sha, "resolved_config": cfg.resolved()}}
+    summaries, init_dir = [], None
+    for item in schedule:
+        done = stage_dir(cfg, item.stage) / "_complete.json"
+        if done.exists():
+            print(f"[train] stage {item.stage} already complete: {done.parent / 'best'}")
+        elif stage is None or item.stage == stage:
+            _run_stage(cfg, item, init_dir, d2t if init_dir is None else None, context)
+        elif stage is not None and item.stage < stage:
+            raise ValueError(f"stage {stage} starts from stage {item.stage}, which has not been trained yet; "
+                             f"run `griffin train` without --stage or with --stage {item.stage} first")
+        if done.exists():
+            summaries.append(json.loads(done.read_text()))
+            init_dir = str(done.parent / "best")
+        if stage is not None and item.stage == stage:
+            break
+    if summaries and summaries[-1]["stage"] == schedule[-1].stage:
+        final = cfg.run_dir / "train" / "best"
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(summaries[-1]["best"], final)
+    return {"stages": summaries, "best": str(cfg.run_dir / "train" / "best")}

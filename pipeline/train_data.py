@@ -1,0 +1,104 @@
+"""Deterministic data for Ray Train workers: held-out split, per-rank row streams, reduced vocab.
+
+Exact resume needs every worker to see the same rows in the same order on every attempt, so the
+order is fixed by us, not by Ray Data's scheduling: each worker iterates the store's train split in
+manifest order (``preserve_order``), shuffles within windows with a seeded RNG per epoch, and keeps
+every ``world``-th row starting at its rank (disjoint shards of equal size ±1). A data position is
+the number of rows this rank has consumed since the start of the stage.
+
+Trade-off (documented in the README): every worker reads the whole split and drops the other
+ranks' rows; at the ShareGPT scale of this project that read is cheap next to training, and it
+buys bit-exact resume. A cluster run on TB-scale stores would switch to ``streaming_split``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import Counter
+from collections.abc import Iterator
+
+import pyarrow.parquet as pq
+import torch
+
+from griffin.losses import ShiftedBatch, shift_batch
+from pipeline.store import pad_batches, part_files
+
+SHUFFLE_WINDOW = 256
+
+
+def _hash(sample_id: str) -> int:
+    return int(hashlib.sha256(str(sample_id).encode()).hexdigest()[:12], 16)
+
+
+def eval_split(store: str, fraction: float) -> set[str]:
+    """Held-out sample ids: the ``ceil(fraction * n)`` ids with the smallest hash (stable as the
+    store grows, never empty when fraction > 0)."""
+    ids = [sid for f in part_files(store) for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
+    if fraction <= 0 or not ids:
+        return set()
+    n_eval = min(len(ids) - 1, max(1, math.ceil(fraction * len(ids))))
+    return set(sorted(ids, key=_hash)[:n_eval])
+
+
+def token_frequencies(store: str, exclude: set[str]) -> Counter:
+    counts: Counter = Counter()
+    for f in part_files(store):
+        table = pq.read_table(f, columns=["sample_id", "input_ids"])
+        for sid, ids in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+            if sid not in exclude:
+                counts.update(ids)
+    return counts
+
+
+def reduced_vocabulary(store: str, size: int, vocab_size: int, exclude: set[str]) -> torch.Tensor:
+    """The ``size`` most frequent target ids of the training split (ties by id), sorted by id;
+    rarely-seen ids fill up the rest when the data has fewer distinct tokens (EAGLE-3's d2t)."""
+    if size > vocab_size:
+        raise ValueError(f"draft.draft_vocab_size={size} exceeds the target vocabulary ({vocab_size})")
+    counts = token_frequencies(store, exclude)
+    ranked = sorted(range(vocab_size), key=lambda i: (-counts.get(i, 0), i))
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
+def rank_rows(shard, rank: int, world: int, seed: int, skip: int) -> Iterator[dict]:
+    """This rank's endless row stream (epoch after epoch), after skipping ``skip`` rows."""
+    epoch, seen = 0, 0
+    while True:
+        window: list[dict] = []
+        rng = random.Random(f"{seed}-{epoch}")
+        index = 0
+        emitted = False
+        for row in _windowed_shuffle(shard.iter_rows(), rng, window):
+            if index % world == rank:
+                emitted = True
+                if seen >= skip:
+                    yield row
+                seen += 1
+            index += 1
+        if not emitted:
+            raise ValueError(f"rank {rank} of {world} got no training rows: the store's train split is too small")
+        epoch += 1
+
+
+def _windowed_shuffle(rows, rng: random.Random, window: list[dict]) -> Iterator[dict]:
+    for row in rows:
+        window.append(row)
+        if len(window) == SHUFFLE_WINDOW:
+            rng.shuffle(window)
+            yield from window
+            window.clear()
+    rng.shuffle(window)
+    yield from window
+    window.clear()
+
+
+def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, device) -> Iterator[tuple[ShiftedBatch, list[str]]]:
+    """Padded, shifted training batches and the sample ids in each."""
+    for batch in pad_batches(rows, batch_tokens, hidden_size):
+        shifted = shift_batch(
+            batch["features"].to(device), batch["input_ids"].to(device),
+            batch["loss_mask"].to(device), batch["attention_mask"].to(device),
+        )
+        yield shifted, list(batch["sample_ids"])
