@@ -1,0 +1,294 @@
+"""The MLflow model registry stage: register a draft with lineage, gate promotion on τ, load by URI.
+
+``register(cfg, checkpoint)`` logs the draft directory as an MLflow 3 logged model (a pyfunc whose
+artifact is the directory, unchanged) inside its training run when that run is in this tracking
+store, else inside a new registration run; registers it as ``cfg.model_name`` with lineage tags
+and points alias ``candidate`` at it. ``promote(cfg, version, tau, benchmark)`` records τ and moves
+alias ``champion`` only when τ beats the champion's τ on the same benchmark.
+
+Idempotency: a version is identified by ``weights_sha256`` (a hash of the draft's tensors).
+Registering a checkpoint whose weights are already registered under this name creates nothing:
+it returns the existing version (``created: False``) and points ``candidate`` at it again. So
+``register -> eval -> register --promote`` is safe, and one set of weights is one version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, export_draft, load_draft, read_draft_config, weights_sha256
+from pipeline.config import RunConfig
+from pipeline.runtime import setup_mlflow
+from pipeline.targets import load_target, target_fingerprint
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+LOGGED_MODEL_NAME = ARTIFACT_KEY = "draft"
+TARGET_TAGS = ("target_id", "target_weights_sha256", "tokenizer_sha256", "chat_template_sha256",
+               "hidden_size", "vocab_size", "architecture")
+
+
+def default_checkpoint(cfg: RunConfig) -> Path:
+    """The draft that ``register`` and ``export`` take when none is named: training's best."""
+    return cfg.run_dir / "train" / "best"
+
+
+class DraftPyfunc(mlflow.pyfunc.PythonModel):
+    """The registered model: the draft directory as artifact ``draft``. A draft cannot propose
+    tokens alone (its target's frozen embedding and LM head are deliberately not stored with it), so
+    ``predict`` does not decode: it returns the draft's ``"config"``, ``"provenance"`` or
+    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``load_registered_draft``."""
+
+    def load_context(self, context) -> None:
+        self.draft_dir = Path(context.artifacts[ARTIFACT_KEY])
+        draft_cfg, raw = read_draft_config(self.draft_dir)
+        self.fields = {"config": draft_cfg.model_dump(), "provenance": raw.get("provenance") or {},
+                       "draft_dir": str(self.draft_dir)}
+
+    def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
+        unknown = [name for name in model_input if name not in self.fields]
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}; ask for any of {sorted(self.fields)}")
+        return [json.dumps(self.fields[name], sort_keys=True, default=str) for name in model_input]
+
+
+def lineage_tags(draft_dir: Path, sha: str) -> dict[str, str]:
+    """Model-version tags from the draft's config: target, tokenizer, features, variant, stage..."""
+    draft_cfg, raw = read_draft_config(draft_dir)
+    provenance = raw.get("provenance") or {}
+    target = provenance.get("target") or {}
+    tags = {f"target.{key}": target[key] for key in TARGET_TAGS if key in target}
+    tags.update(weights_sha256=sha, variant=draft_cfg.variant, draft_vocab_size=draft_cfg.active_vocab_size,
+                stage=provenance.get("stage", "unknown"), checkpoint=str(draft_dir.resolve()))
+    tags.update({key: provenance[key] for key in ("feature_manifest_sha256", "train_run_id") if provenance.get(key)})
+    tags.update({f"metric.{name}": value for name, value in (provenance.get("metrics") or {}).items()})
+    if provenance.get("resolved_config") is not None:
+        tags["resolved_config"] = json.dumps(provenance["resolved_config"], sort_keys=True, default=str)
+    return {key: str(value) for key, value in tags.items()}
+
+
+def _run_exists(client: MlflowClient, run_id: str | None) -> bool:
+    try:
+        return bool(run_id) and client.get_run(run_id).info.lifecycle_stage == "active"
+    except MlflowException:  # trained against another tracking store
+        return False
+
+
+@contextmanager
+def _run_for(client: MlflowClient, cfg: RunConfig, train_run_id: str | None):
+    """The training run when this store has it (so the model shows under it), else a new run."""
+    active = mlflow.active_run()
+    if active is not None and active.info.run_id == train_run_id:
+        yield active
+        return
+    if _run_exists(client, train_run_id):
+        where = {"run_id": train_run_id}
+    else:
+        tags = {"griffin.stage": "register", "train_run_id": train_run_id or "unknown"}
+        where = {"run_name": f"register-{cfg.run_name}", "tags": tags}
+    with mlflow.start_run(nested=active is not None, **where) as run:
+        yield run
+
+
+def _version_info(version, created: bool) -> dict[str, Any]:
+    return {"name": version.name, "version": int(version.version), "created": created,
+            "model_uri": f"models:/{version.name}/{version.version}", "source": version.source,
+            "run_id": version.run_id, "model_id": version.model_id or (version.source or "").removeprefix("models:/"),
+            "aliases": list(version.aliases), "tags": dict(version.tags)}
+
+
+def register(cfg: RunConfig, checkpoint: str | Path | None = None) -> dict[str, Any]:
+    """Register a draft directory (default: ``default_checkpoint(cfg)``) as ``cfg.model_name``,
+    alias ``candidate``. Idempotent on the weights' sha256 (see the module docstring)."""
+    draft_dir = Path(checkpoint) if checkpoint else default_checkpoint(cfg)
+    _, raw = read_draft_config(draft_dir)  # fails clearly when it is not a draft directory
+    sha = weights_sha256(draft_dir)
+    setup_mlflow(cfg)
+    client, name = MlflowClient(), cfg.model_name
+    found = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{sha}'")
+    if found:
+        client.set_registered_model_alias(name, CANDIDATE, found[0].version)
+        return _version_info(client.get_model_version(name, found[0].version), created=False)
+    tags = lineage_tags(draft_dir, sha)
+    provenance = raw.get("provenance") or {}
+    with _run_for(client, cfg, provenance.get("train_run_id")), tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp) / ARTIFACT_KEY  # only the draft: a training checkpoint may hold optimizer state too
+        staged.mkdir()
+        for file in (CONFIG_NAME, WEIGHTS_NAME):
+            shutil.copy2(draft_dir / file, staged / file)
+        info = mlflow.pyfunc.log_model(
+            name=LOGGED_MODEL_NAME, python_model=DraftPyfunc(), artifacts={ARTIFACT_KEY: str(staged)},
+            pip_requirements=[f"mlflow=={mlflow.__version__}", "torch", "safetensors", "pydantic"],
+            tags={"weights_sha256": sha},
+        )
+        numeric = {k: float(v) for k, v in (provenance.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        if numeric:
+            mlflow.log_metrics(numeric, model_id=info.model_id)
+    version = mlflow.register_model(info.model_uri, name, tags=tags)
+    client.set_registered_model_alias(name, CANDIDATE, version.version)
+    return _version_info(client.get_model_version(name, version.version), created=True)
+
+
+def tau_tag(benchmark: str) -> str:
+    """The version tag that holds τ measured on ``benchmark`` (evaluation may set it directly)."""
+    return f"tau.{benchmark}"
+
+
+def recorded_tau(tags: dict[str, str], benchmark: str) -> float | None:
+    """τ already on a version: our ``tau.<benchmark>`` tag, else ``griffin eval``'s own tags
+    (``eval.<dataset>.T<temp>.tau``): ``benchmark`` may name the temperature (``mt_bench/T1``),
+    otherwise the greedy T=0 measurement counts."""
+    dotted = benchmark.replace("/", ".")
+    for key in (tau_tag(benchmark), f"eval.{dotted}.tau", f"eval.{dotted}.T0.tau"):
+        if key in tags:
+            return float(tags[key])
+    return None
+
+
+def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchmark: str | None = None) -> dict:
+    """Record τ (acceptance length, DESIGN.md "Metrics") of ``version`` on ``benchmark`` as tag
+    ``tau.<benchmark>`` and move ``champion`` to it only if τ beats the champion's τ there (the first
+    version measured becomes champion). ``tau=None`` uses the τ already recorded on the version.
+    Returns ``promoted`` and, in words, the ``reason``."""
+    benchmark = benchmark or cfg.registry.benchmark
+    key, result = tau_tag(benchmark), {"promoted": False, "version": int(version), "benchmark": benchmark}
+    setup_mlflow(cfg)
+    client, name = MlflowClient(), cfg.model_name
+    candidate = client.get_model_version(name, str(version))
+    tau = recorded_tau(candidate.tags, benchmark) if tau is None else float(tau)
+    if tau is None:
+        reason = f"version {version} has no measured τ on {benchmark!r}: run `griffin eval`, then promote"
+        return {**result, "tau": None, "reason": reason}
+    if not (math.isfinite(tau) and tau >= 1.0):
+        raise ValueError(f"tau={tau} is not an acceptance length (tokens per target pass, always >= 1)")
+    client.set_model_version_tag(name, str(version), key, repr(tau))
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:  # no champion yet
+        champion = None
+    refusal = _refusal(candidate, champion, tau, benchmark)
+    if refusal:
+        return {**result, "tau": tau, "reason": refusal}
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    reason = ("no champion yet" if champion is None else
+              "already champion; τ updated" if str(champion.version) == str(candidate.version) else
+              f"τ {tau:.4f} beats champion v{champion.version}'s {recorded_tau(champion.tags, benchmark):.4f}")
+    return {**result, "promoted": True, "tau": tau, "reason": reason}
+
+
+def _refusal(candidate, champion, tau: float, benchmark: str) -> str | None:
+    """Why ``candidate`` may not replace ``champion`` (None: it may)."""
+    if champion is None or str(champion.version) == str(candidate.version):
+        return None
+    best = recorded_tau(champion.tags, benchmark)
+    if best is None:
+        return (f"champion v{champion.version} has no τ on {benchmark!r} to compare with; record it first with "
+                f"promote(cfg, {champion.version}, tau, {benchmark!r})")
+    ours, theirs = (v.tags.get("target.target_weights_sha256") for v in (candidate, champion))
+    if ours and theirs and ours != theirs:
+        return f"champion v{champion.version} drafts for other target weights ({theirs[:12]}, not {ours[:12]})"
+    if tau <= best:
+        return f"τ {tau:.4f} does not beat champion v{champion.version}'s {best:.4f} on {benchmark!r}"
+    return None
+
+
+def resolve_draft_uri(uri: str | Path, cfg: RunConfig) -> Path:
+    """A local draft directory for a plain directory, ``models:/<name>@<alias>``,
+    ``models:/<name>/<version>``, ``runs:/<run_id>/<path>`` or any MLflow artifact URI."""
+    text = str(uri)
+    if Path(text).expanduser().is_dir():
+        return Path(text).expanduser()
+    if ":/" not in text:
+        raise FileNotFoundError(f"draft {text!r} is neither a directory nor a models:/ or runs:/ URI")
+    setup_mlflow(cfg)
+    # a fresh copy per resolution: aliases move, so an old download may be another version
+    destination = Path(cfg.output_dir) / "draft-cache" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    shutil.rmtree(destination, ignore_errors=True)
+    destination.mkdir(parents=True)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=text, dst_path=str(destination)))
+    except MlflowException as error:
+        raise ValueError(f"cannot resolve draft {text!r} in {cfg.tracking_uri}: {error.message}") from None
+    candidate = local
+    if (local / "MLmodel").is_file():  # a logged model: the draft is its artifact ``draft``
+        flavor = mlflow.models.Model.load(str(local / "MLmodel")).flavors.get("python_function", {})
+        candidate = local / flavor.get("artifacts", {}).get(ARTIFACT_KEY, {}).get("path", "")
+    if (candidate / CONFIG_NAME).is_file() and (candidate / WEIGHTS_NAME).is_file():
+        return candidate
+    raise ValueError(f"{text!r} resolved to {local}, which holds no draft directory (config.json + {WEIGHTS_NAME})")
+
+
+def check_lineage(draft_dir: str | Path, target: Any, source: str | None = None) -> None:
+    """Refuse to pair a draft with a target other than the one it was trained for: hidden size,
+    vocabulary, and the target's weights hash when the draft recorded it."""
+    draft_cfg, raw = read_draft_config(draft_dir)
+    recorded = (raw.get("provenance") or {}).get("target") or {}
+    problems = []
+    if draft_cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {draft_cfg.hidden_size} != {target.hidden_size}")
+    if draft_cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {draft_cfg.vocab_size} != {target.vocab_size}")
+    expected = recorded.get("target_weights_sha256")
+    actual = target_fingerprint(target)["target_weights_sha256"] if expected and not problems else expected
+    if actual != expected:
+        problems.append(f"target weights sha256 {actual[:12]}… != {expected[:12]}… recorded at training")
+    if problems:
+        raise ValueError(
+            f"draft {source or draft_dir} was trained for target {recorded.get('target_id', '?')!r} and does not "
+            f"fit target {target.name!r}: {'; '.join(problems)}. Pair it with its own target or train a new draft."
+        )
+
+
+def load_registered_draft(uri: str | Path, target: Any, cfg: RunConfig, dtype=None):
+    """Resolve ``uri`` (see ``resolve_draft_uri``), check its lineage against ``target``, load it."""
+    draft_dir = resolve_draft_uri(uri, cfg)
+    check_lineage(draft_dir, target, str(uri))
+    return load_draft(draft_dir, target, dtype)
+
+
+def run_register(cfg: RunConfig, checkpoint: str | None = None, promote: bool = False) -> dict[str, Any]:
+    """``griffin register [--checkpoint DIR] [--promote]``; promotion uses the τ that evaluation
+    recorded on the version (tag ``tau.<cfg.registry.benchmark>``)."""
+    result = register(cfg, checkpoint)
+    if promote:
+        result["promotion"] = promote_version(cfg, result["version"])
+    return result
+
+
+promote_version = promote  # run_register's ``promote`` flag shadows the function's name
+
+
+def run_export(cfg: RunConfig, to: str, source: str | None = None, out: str | None = None) -> dict[str, Any]:
+    """``griffin export --to griffin-upstream|hf``: write, reload and check the export."""
+    draft_dir = resolve_draft_uri(source, cfg) if source else default_checkpoint(cfg)
+    target = load_target(cfg.target)
+    check_lineage(draft_dir, target, source)
+    out_dir = export_draft(draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target)
+    return {"layout": to, "out": str(out_dir), "files": sorted(p.name for p in out_dir.iterdir())}
+
+
+def run_mlflow_ui(cfg: RunConfig, launch: bool = True, port: int = 5000) -> dict[str, Any]:
+    """``griffin mlflow-ui``: browse the run's store on 127.0.0.1 (a server URI serves its own UI)."""
+    if cfg.tracking_uri.startswith(("http://", "https://")):
+        print(f"open {cfg.tracking_uri} in a browser: the tracking server serves the UI")
+        return {"url": cfg.tracking_uri}
+    command = ["mlflow", "ui", "--backend-store-uri", cfg.tracking_uri, "--host", "127.0.0.1", "--port", str(port)]
+    print(f"browse with:  {shlex.join(command)}  then open http://127.0.0.1:{port}", flush=True)
+    if launch:  # blocks until Ctrl-C; the UI needs no job-runner processes
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        subprocess.run([sys.executable, "-m", *command], env=env, check=False)
+    return {"command": command}

@@ -1,0 +1,213 @@
+"""pipeline.registry on a real MLflow: sqlite in tmp_path, and one real ``mlflow server``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from griffin.model import GriffinDraft
+from griffin.weights import save_draft
+from pipeline import registry
+from pipeline.config import load_config
+from pipeline.targets import build_tiny_target, load_target, target_fingerprint
+from tests.conftest import make_target
+
+
+def make_cfg(output_dir, *overrides):
+    return load_config("jobs/configs/tiny.yaml", [f"output_dir={output_dir}", *overrides])
+
+
+def make_draft(cfg, target, path, seed=0, train_run_id="not-in-this-store"):
+    """A randomly initialised draft with the provenance training writes."""
+    torch.manual_seed(seed)
+    draft = GriffinDraft.for_target(target)
+    provenance = {"variant": "griffin", "stage": 2, "target": target_fingerprint(target),
+                  "feature_manifest_sha256": "f" * 64, "resolved_config": cfg.resolved(),
+                  "train_run_id": train_run_id, "metrics": {"eval/sim_accept_len": 1.75}}
+    save_draft(draft, path, provenance)
+    return draft
+
+
+def logits(draft):
+    torch.manual_seed(1)
+    prediction, _ = draft([torch.randn(1, 5, draft.cfg.hidden_size)], torch.randint(0, 200, (1, 5)))
+    return draft.logits(prediction)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module (creating one costs seconds); tests use their own model name."""
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(make_cfg("unused").target)
+
+
+def test_register_alias_load(store, target, tmp_path):
+    """register -> alias candidate -> load by alias / version / run gives identical logits."""
+    cfg = make_cfg(store, "registry.model_name=load-test")
+    draft = make_draft(cfg, target, tmp_path / "d")
+    (tmp_path / "d" / "train_state.pt").write_bytes(b"optimizer state: not part of the model")
+    info = registry.register(cfg, tmp_path / "d")
+    assert info["created"] and info["version"] == 1 and info["aliases"] == ["candidate"]
+    resolved = registry.resolve_draft_uri("models:/load-test@candidate", cfg)
+    assert sorted(p.name for p in resolved.iterdir()) == ["config.json", "model.safetensors"]
+    for uri in ("models:/load-test@candidate", "models:/load-test/1", f"runs:/{info['run_id']}/draft"):
+        loaded = registry.load_registered_draft(uri, target, cfg)
+        assert torch.equal(logits(loaded), logits(draft)), uri
+    import mlflow
+
+    pyfunc = mlflow.pyfunc.load_model("models:/load-test@candidate")
+    assert '"stage": 2' in pyfunc.predict(["provenance"])[0]
+
+
+def test_lineage_tags(store, target, tmp_path):
+    cfg = make_cfg(store, "registry.model_name=lineage-test")
+    make_draft(cfg, target, tmp_path / "d")
+    tags = registry.register(cfg, tmp_path / "d")["tags"]
+    fingerprint = target_fingerprint(target)
+    assert tags["target.target_id"] == "tiny-llama"
+    assert tags["target.target_weights_sha256"] == fingerprint["target_weights_sha256"]
+    assert tags["target.tokenizer_sha256"] == fingerprint["tokenizer_sha256"]
+    assert tags["target.chat_template_sha256"] == fingerprint["chat_template_sha256"]
+    assert tags["feature_manifest_sha256"] == "f" * 64
+    assert (tags["variant"], tags["stage"], tags["draft_vocab_size"]) == ("griffin", "2", str(target.vocab_size))
+    assert tags["weights_sha256"] == registry.weights_sha256(tmp_path / "d")
+    assert '"run_name": "tiny"' in tags["resolved_config"]
+
+
+def test_register_twice_is_idempotent(store, target, tmp_path):
+    """Same weights -> the same version (created False); new weights -> a new version."""
+    cfg = make_cfg(store, "registry.model_name=idem-test")
+    make_draft(cfg, target, tmp_path / "a")
+    make_draft(cfg, target, tmp_path / "a-copy")  # same seed: same weights, another directory
+    make_draft(cfg, target, tmp_path / "b", seed=1)
+    first = registry.register(cfg, tmp_path / "a")
+    second = registry.register(cfg, tmp_path / "b")
+    again = registry.register(cfg, tmp_path / "a-copy")
+    assert (first["version"], second["version"], again["version"]) == (1, 2, 1)
+    assert first["created"] and not again["created"] and again["aliases"] == ["candidate"]
+    from mlflow import MlflowClient
+
+    assert len(MlflowClient().search_model_versions("name = 'idem-test'")) == 2
+
+
+def test_logged_in_training_run(store, target, tmp_path):
+    """A draft whose training run is in this store is logged inside that run."""
+    cfg = make_cfg(store, "registry.model_name=run-test")
+    import mlflow
+
+    registry.setup_mlflow(cfg)
+    with mlflow.start_run(run_name="train") as run:
+        pass
+    make_draft(cfg, target, tmp_path / "d", train_run_id=run.info.run_id)
+    assert registry.register(cfg, tmp_path / "d")["run_id"] == run.info.run_id
+
+
+def test_promotion_gate(store, target, tmp_path):
+    """champion moves only when τ beats the champion's τ on the same benchmark."""
+    cfg = make_cfg(store, "registry.model_name=promo-test")
+    for seed in range(3):
+        make_draft(cfg, target, tmp_path / f"d{seed}", seed=seed)
+        registry.register(cfg, tmp_path / f"d{seed}")
+    assert not registry.run_register(cfg, tmp_path / "d0", promote=True)["promotion"]["promoted"]  # no τ yet
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    client.set_model_version_tag("promo-test", "1", "eval.mt_bench.T0.tau", "2.0")  # as `griffin eval` records it
+    assert registry.run_register(cfg, tmp_path / "d0", promote=True)["promotion"]["promoted"]
+    refused = registry.promote(cfg, 2, 1.9)
+    assert not refused["promoted"] and "does not beat" in refused["reason"]
+    assert not registry.promote(cfg, 2, 2.0)["promoted"]  # a tie is not a win
+    assert not registry.promote(cfg, 3, 9.0, benchmark="humaneval")["promoted"]  # champion has no τ there
+    assert registry.promote(cfg, 3, 2.5)["promoted"]
+    assert int(client.get_model_version_by_alias("promo-test", "champion").version) == 3
+    assert client.get_model_version("promo-test", "2").tags["tau.mt_bench"] == "2.0"
+    with pytest.raises(ValueError, match="acceptance length"):
+        registry.promote(cfg, 3, 0.5)
+
+
+def test_wrong_target_refused(store, target, tmp_path):
+    """Same shape, other weights: refused by the weights hash; other vocab: by the vocab size."""
+    cfg = make_cfg(store, "registry.model_name=lineage-refuse")
+    make_draft(cfg, target, tmp_path / "d")
+    registry.register(cfg, tmp_path / "d")
+    other = build_tiny_target(dict(cfg.target.tiny), torch.float32, seed=1)
+    with pytest.raises(ValueError, match="target weights sha256"):
+        registry.load_registered_draft("models:/lineage-refuse@candidate", other, cfg)
+    with pytest.raises(ValueError, match="vocab size"):
+        registry.load_registered_draft(tmp_path / "d", make_target("llama"), cfg)
+    with pytest.raises(ValueError, match="cannot resolve"):
+        registry.load_registered_draft("models:/lineage-refuse@champion", target, cfg)
+
+
+def test_export_and_ui_commands(store, target, tmp_path, capsys):
+    """griffin export (both layouts, from a registry URI) and griffin mlflow-ui's instructions."""
+    from pipeline.cli import main
+
+    cfg = make_cfg(store, "registry.model_name=export-test")
+    make_draft(cfg, target, tmp_path / "d")
+    registry.register(cfg, tmp_path / "d")
+    for layout in ("griffin-upstream", "hf"):
+        argv = ["export", "-c", "jobs/configs/tiny.yaml", f"output_dir={store}", "registry.model_name=export-test",
+                "--to", layout, "--source", "models:/export-test@candidate", "--out", str(tmp_path / layout)]
+        assert main(argv) == 0
+    assert (tmp_path / "griffin-upstream" / "pytorch_model.bin").is_file()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    command = registry.run_mlflow_ui(cfg, launch=False)["command"]
+    assert command[-4:-2] == ["--host", "127.0.0.1"] and cfg.tracking_uri in command
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+               "--serve-artifacts", "--artifacts-destination", str(tmp_path / "artifacts")]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()
+                time.sleep(0.25)
+        else:
+            pytest.fail("mlflow server did not start in 60 s:\n" + (tmp_path / "server.log").read_text())
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn worker
+        server.wait(timeout=30)
+        log.close()
+
+
+def test_remote_server(mlflow_server, target, tmp_path):
+    """Against a real `mlflow server --serve-artifacts`: register -> alias -> load -> same logits."""
+    cfg = make_cfg(tmp_path / "out", f"tracking.tracking_uri={mlflow_server}")
+    draft = make_draft(cfg, target, tmp_path / "d")
+    info = registry.register(cfg, tmp_path / "d")
+    assert info["created"] and info["aliases"] == ["candidate"]
+    assert registry.promote(cfg, info["version"], 1.5)["promoted"]
+    loaded = registry.load_registered_draft(f"models:/{cfg.model_name}@champion", target, cfg)
+    assert torch.equal(logits(loaded), logits(draft))
+    assert registry.register(cfg, tmp_path / "d")["created"] is False
