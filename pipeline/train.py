@@ -119,11 +119,11 @@ def train_worker(config: dict[str, Any]) -> None:
         step += 1
         rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
+        with open(Path(config["stage_dir"]) / f"data_rank{rank}.jsonl", "a") as log:  # data audit trail
+            log.write(json.dumps({"step": step, "sample_ids": [s for batch in ids for s in batch]}) + "\n")
         if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
             fail_marker.touch()
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
-        with open(Path(config["stage_dir"]) / f"data_rank{rank}.jsonl", "a") as log:
-            log.write(json.dumps({"step": step, "sample_ids": [s for batch in ids for s in batch]}) + "\n")
         report = {f"train/{k}": v for k, v in metrics.items()}
         do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
         if do_ckpt or step % cfg.train.eval_every == 0:

@@ -1,0 +1,263 @@
+"""Evaluation: acceptance length and speedup against baselines, measured the way the paper does.
+
+``run_eval(cfg, draft=None) -> summary`` writes ``<run_dir>/eval/`` (report.json, report.md,
+generations.jsonl, tau.png, speedup.png, acceptance_histogram.png) and logs it to MLflow, tagged with
+the draft's registered model version. Protocol and metric definitions: ``pipeline.report.DEFINITIONS``
+(DESIGN.md "Metrics", METHOD.md §5.8, §6): every question turn goes through every method back to back
+(GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF ``generate``, HF prompt lookup, HF
+assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
+go through the HTTP endpoint (client-side wall time); the rest stay in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import speculative_generate, vanilla_generate
+from pipeline.config import RunConfig, TargetSection
+from pipeline.loadtest import run_bench_serve  # noqa: F401  (the CLI's `bench-serve` entry point)
+from pipeline.openai_api import completion_text, render_chat
+from pipeline.report import log_report, summarize, write_reports
+
+logger = logging.getLogger(__name__)
+DATASETS = ("mt_bench", "humaneval")
+PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value for prompt_lookup_num_tokens
+WARMUP_TOKENS = 16
+
+
+@dataclass
+class Output:
+    text: str
+    new_tokens: int  # stop token included, as decoded
+    seconds: float  # wall time of the whole call, prefill included
+    tokens: list[int] | None = None  # None through the endpoint, which returns text
+    accepted_per_round: list[int] | None = None  # speculative methods only
+
+
+# messages, prompt ids, sampling, max_new_tokens, seed -> Output
+Method = Callable[[list[dict[str, str]], list[int], SamplingConfig, int, int], Output]
+
+
+def resolve_dataset(name: str) -> Path:
+    """``mt_bench`` / ``humaneval`` -> ``<repo>/../shared/data/<name>.jsonl``; anything else is a path."""
+    if name in DATASETS:
+        path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / f"{name}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset {name!r} expected at {path} (the shared data checkout); "
+                                    "pass a FastChat-format JSONL path in eval.datasets instead")
+        return path
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"eval dataset {name!r} is neither one of {list(DATASETS)} nor an existing file")
+    return path
+
+
+def load_questions(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """FastChat question format: one JSON object a line with ``question_id`` and ``turns`` (user turns)."""
+    questions = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        turns = record.get("turns")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}:{number}: 'turns' must be a non-empty list of strings (FastChat format)")
+        questions.append({"question_id": record.get("question_id", number), "turns": turns})
+    return questions[:limit] if limit else questions
+
+
+def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None = None) -> Method:
+    """Our decoder in this process: speculative with ``draft`` and ``tree``, vanilla without."""
+    def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
+        start = time.perf_counter()
+        if draft is None:
+            result = vanilla_generate(target, ids, sampling, max_new, generator)
+        else:
+            result = speculative_generate(target, draft, ids, tree, sampling, max_new, generator)
+        seconds = time.perf_counter() - start
+        text = completion_text(target.tokenizer, result.tokens, target.stop_token_ids, [])[0]
+        accepted = result.stats.accepted_per_round if draft is not None else None
+        return Output(text, len(result.tokens), seconds, result.tokens, accepted)
+    return run
+
+
+def hf_decoder(target: Any, **generate_kwargs: Any) -> Method:
+    """HF ``generate`` on the same weights (plain, prompt lookup or an assistant model)."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
+
+    def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
+        ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
+        kwargs = dict(max_new_tokens=max_new, eos_token_id=target.stop_token_ids, pad_token_id=pad,
+                      attention_mask=torch.ones_like(ids), **generate_kwargs)
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:  # top_k=0: off, as in our sampler (HF's default would be 50)
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = target.model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+        seconds = time.perf_counter() - start
+        text = completion_text(target.tokenizer, tokens, target.stop_token_ids, [])[0]
+        return Output(text, len(tokens), seconds, tokens)
+    return run
+
+
+def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
+    """The Serve endpoint; ``speculative=False`` asks it to decode without the draft."""
+    def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
+        body = {"messages": messages, "max_tokens": max_new, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed, "speculative": speculative}
+        start = time.perf_counter()
+        response = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        seconds = time.perf_counter() - start
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
+        data = response.json()
+        spec = data["speculative"]
+        return Output(data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"], seconds,
+                      accepted_per_round=spec["accepted_per_round"] if spec["enabled"] else None)
+    return run
+
+
+def build_methods(cfg: RunConfig, target: Any, draft: Any, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
+    """Methods in report order, and whether this call started Serve (through_serve with none running)."""
+    from pipeline.serve import load_draft_uri
+
+    evaluation, started = cfg.eval, False
+    if evaluation.through_serve:
+        methods, started = _endpoint_methods(cfg, draft_uri)
+    else:
+        methods = {"griffin": local_decoder(target, draft, evaluation.tree), "vanilla": local_decoder(target)}
+    for label, uri in evaluation.extra_drafts.items():
+        if label in methods or label.startswith("hf_"):
+            raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
+        methods[label] = local_decoder(target, load_draft_uri(uri, target, cfg), evaluation.tree)
+    if "hf_generate" in evaluation.baselines:
+        methods["hf_generate"] = hf_decoder(target)
+    if "hf_prompt_lookup" in evaluation.baselines:
+        methods["hf_prompt_lookup"] = hf_decoder(target, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+    if "hf_assisted" in evaluation.baselines:
+        methods["hf_assisted"] = hf_decoder(target, assistant_model=_assistant(cfg, target).model)
+    return methods, started
+
+
+def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
+    """GRIFFIN and vanilla through the endpoint (started with ``draft_uri`` when none is running)."""
+    import httpx
+
+    from pipeline.serve import ensure_serving
+
+    if draft_uri is None:
+        raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
+    serving = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_uri": draft_uri})})
+    url, started = ensure_serving(serving)
+    client = httpx.Client()
+    served = client.get(f"{url}/v1/models").json()["data"][0]["draft"]
+    if served != draft_uri:
+        logger.warning("%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served, draft_uri)
+    methods = {"griffin": endpoint_decoder(client, url, True), "vanilla": endpoint_decoder(client, url, False)}
+    return methods, started
+
+
+def _assistant(cfg: RunConfig, target: Any) -> Any:
+    """The smaller model for HF assisted generation; it must share the target's tokenizer."""
+    from pipeline.targets import load_target
+
+    if not cfg.eval.assistant_model:
+        raise ValueError("eval.baselines lists hf_assisted but eval.assistant_model is not set: name a smaller "
+                         "model with the target's tokenizer (e.g. qwen2.5-coder-0.5b-instruct) or drop hf_assisted")
+    assistant = load_target(TargetSection(name=cfg.eval.assistant_model, dtype=cfg.target.dtype,
+                                          device=cfg.target.device))
+    if assistant.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ValueError(f"eval.assistant_model {cfg.eval.assistant_model!r} does not share the target's tokenizer")
+    return assistant
+
+
+def evaluate_dataset(name: str, questions: list[dict], temperature: float, methods: dict[str, Method],
+                     cfg: RunConfig, target: Any) -> list[dict[str, Any]]:
+    """Every turn of every question through every method, interleaved; one record per generation."""
+    records, names, sampling = [], list(methods), cfg.sampling(temperature)
+    for index, question in enumerate(questions):
+        order = names[index % len(names):] + names[: index % len(names)]
+        messages: list[dict[str, str]] = []
+        for turn, user_text in enumerate(question["turns"]):
+            messages.append({"role": "user", "content": user_text})
+            prompt_ids = render_chat(target.tokenizer, messages)
+            max_new = min(cfg.eval.max_new_tokens, target.max_context - len(prompt_ids))
+            if max_new < 1:
+                logger.warning("%s question %s turn %d: the prompt fills the context; skipped",
+                               name, question["question_id"], turn + 1)
+                break
+            seed = cfg.eval.seed + 1000 * turn + index
+            outputs = {method: methods[method](messages, prompt_ids, sampling, max_new, seed) for method in order}
+            mismatch = temperature == 0 and _differs(outputs["griffin"], outputs["vanilla"])
+            if mismatch:
+                logger.error("LOSSLESSNESS VIOLATION: %s question %s turn %d: speculative output differs from "
+                             "vanilla at T=0", name, question["question_id"], turn + 1)
+            for method, out in outputs.items():
+                records.append({"dataset": name, "temperature": temperature, "question_id": question["question_id"],
+                                "turn": turn + 1, "method": method, "prompt_tokens": len(prompt_ids),
+                                "new_tokens": out.new_tokens, "seconds": out.seconds,
+                                "tokens_per_s": out.new_tokens / out.seconds, "text": out.text, "tokens": out.tokens,
+                                "accepted_per_round": out.accepted_per_round, "mismatch": mismatch})
+            messages.append({"role": "assistant", "content": outputs["griffin"].text})
+    return records
+
+
+def _differs(spec: Output, vanilla: Output) -> bool:
+    if spec.tokens is not None and vanilla.tokens is not None:
+        return spec.tokens != vanilla.tokens
+    return spec.text != vanilla.text
+
+
+def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig) -> None:
+    messages = [{"role": "user", "content": "Say hello."}]
+    prompt_ids = render_chat(target.tokenizer, messages)
+    for method in methods.values():
+        method(messages, prompt_ids, cfg.sampling(0.0), min(WARMUP_TOKENS, cfg.eval.max_new_tokens), cfg.eval.seed)
+
+
+def _load_draft(cfg: RunConfig, target: Any, draft: Any) -> tuple[Any, str | None]:
+    """(model, uri): a model given in memory, a URI / directory, or the run's registered candidate."""
+    from pipeline.serve import load_draft_uri
+
+    if draft is not None and not isinstance(draft, (str, Path)):
+        return draft, None
+    uri = str(draft) if draft is not None else f"models:/{cfg.model_name}@candidate"
+    if Path(uri).is_dir():
+        uri = str(Path(uri).resolve())
+    return load_draft_uri(uri, target, cfg), uri
+
+
+def run_eval(cfg: RunConfig, draft: Any = None) -> dict[str, Any]:
+    """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary."""
+    from pipeline.targets import load_target
+
+    target = load_target(cfg.target)
+    questions = {name: load_questions(resolve_dataset(name), cfg.eval.num_questions) for name in cfg.eval.datasets}
+    draft_model, draft_uri = _load_draft(cfg, target, draft)
+    methods, started = build_methods(cfg, target, draft_model, draft_uri)
+    try:
+        _warm_up(methods, target, cfg)
+        records = [record for name, items in questions.items() for temperature in cfg.eval.temperatures
+                   for record in evaluate_dataset(name, items, temperature, methods, cfg, target)]
+    finally:
+        if started:
+            from pipeline.serve import stop_serve
+
+            stop_serve()
+    report = summarize(records, list(methods), cfg, target, draft_uri)
+    eval_dir = write_reports(cfg.run_dir / "eval", report, records)
+    report["summary"]["mlflow_run_id"] = log_report(cfg, report, eval_dir, draft_uri)
+    return report["summary"]

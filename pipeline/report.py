@@ -1,0 +1,212 @@
+"""Evaluation reports: metrics from generation records; JSON, Markdown tables and PNG plots; MLflow.
+
+The metric definitions (DESIGN.md "Metrics", METHOD.md §5.8) are written into every report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections import defaultdict
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+DEFINITIONS = {
+    "tau": "acceptance length: tokens committed per target verification pass, bonus token included: "
+           "tau = sum over rounds (accepted + 1) / rounds, pooled over every round of every generation "
+           "(the exact definition; not GRIFFIN's script, which divides by rounds - 1)",
+    "per_position_acceptance": "alpha_k = #rounds accepting >= k draft tokens / #rounds accepting >= k-1",
+    "acceptance_histogram": "count of rounds by draft tokens accepted (0..depth); committed = accepted + 1",
+    "tokens_per_s": "new tokens (stop token included) / wall time of the whole generation call, prefill "
+                    "included; the median over generations (question x turn)",
+    "speedup": "median tokens/s of GRIFFIN / median tokens/s of the baseline, over the same generations: "
+               "a ratio of medians (EAGLE's speed.py uses a ratio of means)",
+    "mismatches": "T=0 generations where GRIFFIN's output differs from vanilla decoding (must be 0)",
+    "protocol": "per dataset and temperature, each question turn is decoded by every method back to back "
+                "(order rotated per question) with the same prompt, max_new_tokens, sampling and seed; "
+                "MT-Bench turn 2 carries GRIFFIN's turn-1 answer for every method; one untimed warm-up "
+                "generation per method; batch 1",
+}
+
+
+def _acceptance(accepted: list[int], depth: int) -> dict[str, Any]:
+    reached = [sum(1 for a in accepted if a >= k) for k in range(depth + 1)]  # reached[0] = rounds
+    return {
+        "rounds": len(accepted),
+        "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else 0.0,
+        "per_position_acceptance": [reached[k] / reached[k - 1] if reached[k - 1] else None
+                                    for k in range(1, depth + 1)],
+        "acceptance_histogram": [sum(1 for a in accepted if a == k) for k in range(depth + 1)],
+    }
+
+
+def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[str, Any]:
+    stats: dict[str, Any] = {}
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        entry = {"generations": len(mine), "new_tokens": sum(r["new_tokens"] for r in mine),
+                 "tokens_per_s_median": median(r["tokens_per_s"] for r in mine)}
+        if mine and mine[0]["accepted_per_round"] is not None:
+            entry.update(_acceptance([a for r in mine for a in r["accepted_per_round"]], depth))
+        stats[method] = entry
+    griffin = stats["griffin"]["tokens_per_s_median"]
+    speedup = {m: griffin / s["tokens_per_s_median"] for m, s in stats.items() if m != "griffin"}
+    for method, entry in stats.items():  # other drafts against the same vanilla (the paper's table)
+        if "tau" in entry:
+            entry["speedup_vs_vanilla"] = entry["tokens_per_s_median"] / stats["vanilla"]["tokens_per_s_median"]
+    mismatches = [{"question_id": r["question_id"], "turn": r["turn"]} for r in rows
+                  if r["method"] == "griffin" and r["mismatch"]]
+    return {"methods": stats, "speedup": speedup, "mismatches": mismatches}
+
+
+def hardware() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, target: Any, draft_uri: str | None):
+    """The report: per dataset x temperature results, flat MLflow metrics and the returned summary."""
+    groups = defaultdict(list)
+    for row in records:
+        groups[(row["dataset"], row["temperature"])].append(row)
+    results, metrics, summary = {}, {}, {}
+    for (dataset, temperature), rows in groups.items():
+        key = f"{Path(dataset).stem}/T{temperature:g}"
+        result = results[key] = _group(rows, methods, cfg.eval.tree.depth)
+        summary[key] = {"tau": result["methods"]["griffin"]["tau"], "speedup": result["speedup"],
+                        "tokens_per_s": {m: s["tokens_per_s_median"] for m, s in result["methods"].items()},
+                        "mismatches": len(result["mismatches"])}
+        metrics[f"{key}/tau"] = summary[key]["tau"]
+        metrics[f"{key}/mismatches"] = summary[key]["mismatches"]
+        metrics.update({f"{key}/tokens_per_s/{m}": v for m, v in summary[key]["tokens_per_s"].items()})
+        metrics.update({f"{key}/speedup/{m}": v for m, v in result["speedup"].items()})
+    mode = "through_serve" if cfg.eval.through_serve else "in_process"
+    return {"definitions": DEFINITIONS, "mode": mode, "target": target.name, "draft": draft_uri,
+            "tree": cfg.eval.tree.model_dump(), "draft_tokens_per_round": cfg.eval.tree.total_tokens - 1,
+            "hardware": hardware(), "config": cfg.resolved(), "results": results, "metrics": metrics,
+            "summary": {"mode": mode, "results": summary}}
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Evaluation: {report['target']} with draft {report['draft']}", "",
+             f"Mode: {report['mode']}. Tree: {report['tree']} ({report['draft_tokens_per_round']} draft tokens "
+             f"per round). Hardware: {report['hardware']['processor']}, {report['hardware']['cpu_count']} CPUs, "
+             f"{report['hardware']['torch_threads']} torch threads.", "", "Definitions:", ""]
+    lines += [f"- **{name}**: {text}" for name, text in report["definitions"].items()]
+    for key, result in report["results"].items():
+        lines += ["", f"## {key}", "", "| method | generations | median tokens/s | tau | speedup vs vanilla "
+                  "| GRIFFIN speedup over it |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for method, entry in result["methods"].items():
+            tau = f"{entry['tau']:.3f}" if "tau" in entry else "-"
+            own = f"{entry['speedup_vs_vanilla']:.2f}x" if "speedup_vs_vanilla" in entry else "-"
+            speedup = f"{result['speedup'][method]:.2f}x" if method in result["speedup"] else "-"
+            lines.append(f"| {method} | {entry['generations']} | {entry['tokens_per_s_median']:.1f} | {tau} | {own} "
+                         f"| {speedup} |")
+        alphas = result["methods"]["griffin"]["per_position_acceptance"]
+        lines += ["", "GRIFFIN per-position acceptance: "
+                  + ", ".join(f"a{k + 1}={a:.3f}" if a is not None else f"a{k + 1}=n/a" for k, a in enumerate(alphas)),
+                  "", f"Acceptance histogram (rounds by accepted 0..depth): "
+                  f"{result['methods']['griffin']['acceptance_histogram']}"]
+        if result["mismatches"]:
+            lines += ["", f"**LOSSLESSNESS VIOLATION: {len(result['mismatches'])} T=0 generations differ from "
+                      f"vanilla: {result['mismatches']}**"]
+    return "\n".join(lines) + "\n"
+
+
+def _bar_chart(path: Path, title: str, ylabel: str, series: dict[str, dict[str, float]],
+               reference: float | None = None) -> None:
+    """Grouped bars: one group per dataset x temperature, one bar per method."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(max(6, 1.6 * len(series)), 4))
+    axes = figure.add_subplot()
+    names = list(dict.fromkeys(name for values in series.values() for name in values))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [g + i * width for g in range(len(series))]
+        axes.bar(xs, [values.get(name, 0.0) for values in series.values()], width, label=name)
+    axes.set_xticks([g + 0.4 - width / 2 for g in range(len(series))], list(series))
+    if reference is not None:
+        axes.axhline(reference, color="black", linewidth=0.8, linestyle="--")
+    axes.set_title(title)
+    axes.set_ylabel(ylabel)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def _histogram(path: Path, results: dict[str, Any]) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4))
+    axes = figure.add_subplot()
+    for key, result in results.items():
+        counts = result["methods"]["griffin"]["acceptance_histogram"]
+        total = sum(counts) or 1
+        axes.plot(range(len(counts)), [c / total for c in counts], marker="o", label=key)
+    axes.set_xlabel("draft tokens accepted per round")
+    axes.set_ylabel("fraction of rounds")
+    axes.set_title("GRIFFIN acceptance histogram")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def write_reports(eval_dir: Path, report: dict[str, Any], records: list[dict[str, Any]]) -> Path:
+    """report.json, report.md, generations.jsonl and three PNGs under ``eval_dir``."""
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    (eval_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (eval_dir / "report.md").write_text(_markdown(report))
+    with open(eval_dir / "generations.jsonl", "w") as out:
+        for row in records:
+            out.write(json.dumps(row) + "\n")
+    results = report["results"]
+    taus = {k: {m: e["tau"] for m, e in r["methods"].items() if "tau" in e} for k, r in results.items()}
+    _bar_chart(eval_dir / "tau.png", "Acceptance length tau (bonus token included)", "tau", taus)
+    _bar_chart(eval_dir / "speedup.png", "GRIFFIN speedup over each baseline (ratio of median tokens/s)",
+               "speedup (x)", {k: r["speedup"] for k, r in results.items()}, reference=1.0)
+    _histogram(eval_dir / "acceptance_histogram.png", results)
+    return eval_dir
+
+
+def _registry_version(uri: str | None) -> dict[str, str]:
+    """{'draft_model_name', 'draft_model_version'} for a models:/name@alias or models:/name/version URI."""
+    if not uri or not uri.startswith("models:/"):
+        return {}
+    from mlflow import MlflowClient
+
+    path, client = uri.removeprefix("models:/"), MlflowClient()
+    if "@" in path:
+        version = client.get_model_version_by_alias(*path.split("@", 1))
+    else:
+        version = client.get_model_version(*path.rsplit("/", 1))
+    return {"draft_model_name": version.name, "draft_model_version": str(version.version)}
+
+
+def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str | None) -> str:
+    """One MLflow run with the metrics, config and report files, tagged with the draft's model version;
+    the version itself gets the measured tau as tags (``eval.<dataset>.T<t>.tau``) for promotion."""
+    from pipeline.runtime import setup_mlflow
+
+    mlflow = setup_mlflow(cfg)
+    tags = {"stage": "eval", "draft_uri": str(draft_uri), **_registry_version(draft_uri)}
+    with mlflow.start_run(run_name=f"{cfg.run_name}-eval", tags=tags) as run:
+        mlflow.log_metrics(report["metrics"])
+        mlflow.log_dict(cfg.resolved(), "config.json")
+        mlflow.log_artifacts(str(eval_dir), "eval")
+    if "draft_model_version" in tags:  # the version's own record of how it measured, for promotion
+        client = mlflow.MlflowClient()
+        for key, value in report["metrics"].items():
+            if key.endswith("/tau"):
+                client.set_model_version_tag(tags["draft_model_name"], tags["draft_model_version"],
+                                             f"eval.{key.replace('/', '.')}", f"{value:.4f}")
+        client.set_model_version_tag(tags["draft_model_name"], tags["draft_model_version"], "eval_run_id",
+                                     run.info.run_id)
+    return run.info.run_id

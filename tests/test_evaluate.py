@@ -1,0 +1,80 @@
+"""Evaluation harness on the tiny target: datasets, metrics and the report files (in-process)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from griffin.model import GriffinDraft
+from griffin.weights import save_draft
+from pipeline.config import load_config
+from pipeline.evaluate import load_questions, resolve_dataset, run_eval
+from pipeline.report import _acceptance
+from pipeline.targets import load_target
+
+TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now make it rhyme."]},
+    {"question_id": 2, "category": "code", "turns": ["def add(a, b):"]},
+    {"question_id": 3, "category": "math", "turns": ["What is 2 + 2?"]},
+]
+
+
+def test_resolve_dataset(tmp_path):
+    """Names map to the shared question sets; other values are paths and must exist."""
+    assert resolve_dataset("mt_bench").name == "mt_bench.jsonl"
+    assert len(load_questions(resolve_dataset("humaneval"), 5)) == 5
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        resolve_dataset(str(tmp_path / "nope.jsonl"))
+
+
+def test_load_questions_rejects_bad_rows(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: 'turns'"):
+        load_questions(path)
+
+
+def test_acceptance_metrics():
+    """tau counts the bonus token; alpha_k is conditional on reaching position k."""
+    stats = _acceptance([0, 1, 3, 2], depth=3)
+    assert stats["tau"] == (0 + 1 + 3 + 2 + 4) / 4
+    assert stats["per_position_acceptance"] == [3 / 4, 2 / 3, 1 / 2]
+    assert stats["acceptance_histogram"] == [1, 1, 1, 1]
+
+
+def test_run_eval_writes_reports_with_baselines(tmp_path):
+    """3 questions x T in {0, 1}: every method measured, T=0 lossless, report files written."""
+    questions = tmp_path / "three.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    cfg = load_config(TINY, [f"output_dir={tmp_path}"])
+    target = load_target(cfg.target)
+    torch.manual_seed(0)
+    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft")
+    eagle_dir = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle")
+    assistant_dir = tmp_path / "assistant"  # the same tiny model saved, standing in for a smaller one
+    target.model.save_pretrained(assistant_dir)
+    target.tokenizer.save_pretrained(assistant_dir)
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", f"eval.datasets=[{questions}]", "eval.temperatures=[0, 1]",
+                             "eval.num_questions=3", "eval.max_new_tokens=8", f"eval.assistant_model={assistant_dir}",
+                             "eval.baselines=[vanilla, hf_generate, hf_prompt_lookup, hf_assisted]",
+                             f"eval.extra_drafts={{eagle: {eagle_dir}}}"])
+    summary = run_eval(cfg, draft=str(draft_dir))
+
+    methods = {"griffin", "eagle", "vanilla", "hf_generate", "hf_prompt_lookup", "hf_assisted"}
+    assert set(summary["results"]) == {"three/T0", "three/T1"}
+    for key, result in summary["results"].items():
+        assert set(result["tokens_per_s"]) == methods
+        assert set(result["speedup"]) == methods - {"griffin"}
+        assert result["tau"] >= 1.0 and result["mismatches"] == 0
+    eval_dir = tmp_path / "tiny" / "eval"
+    for name in ["report.json", "report.md", "generations.jsonl", "tau.png", "speedup.png", "acceptance_histogram.png"]:
+        assert (eval_dir / name).stat().st_size > 0, name
+    report = json.loads((eval_dir / "report.json").read_text())
+    assert "bonus token included" in report["definitions"]["tau"]
+    assert len(report["results"]["three/T0"]["methods"]["griffin"]["per_position_acceptance"]) == cfg.eval.tree.depth
+    generations = [json.loads(line) for line in (eval_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(generations) == 2 * 4 * len(methods)  # T x (2 + 1 + 1 turns) x methods
+    assert "| hf_prompt_lookup |" in (eval_dir / "report.md").read_text()
+    assert summary["mlflow_run_id"]
