@@ -22,8 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("pipeline.registry:run_export", "export a draft to another layout"),
     "serve": ("pipeline.serve:run_serve", "serve target + draft with Ray Serve"),
     "eval": ("pipeline.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
-    "bench-serve": ("pipeline.evaluate:run_bench_serve", "load-test the Serve endpoint"),
-    "tune-tree": ("pipeline.evaluate:run_tune_tree", "pick the tree budget that maximises tokens/s"),
+    "bench-serve": ("pipeline.loadtest:run_bench_serve", "load-test the Serve endpoint"),
     "run": ("pipeline.run:run_all", "every stage end to end"),
     "submit": ("pipeline.submit:run_submit", "submit one stage as a Ray job to --address"),
     "mlflow-ui": ("pipeline.registry:run_mlflow_ui", "browse the run's MLflow store"),
@@ -31,7 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="griffin", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="griffin", description="GRIFFIN speculative decoding: griffin <command> -c CONFIG.yaml [section.field=value ...]")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -62,7 +62,9 @@ def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0)
 def load_target(section: TargetSection) -> TargetAdapter:
     dtype = resolve_dtype(section.dtype)
     if section.tiny is not None:
-        return build_tiny_target(section.tiny, dtype)
+        target = build_tiny_target(section.tiny, dtype)
+        target.model.to(section.device)
+        return target
     return TargetAdapter.from_pretrained(section.name, dtype=dtype, device=section.device)
 
 
