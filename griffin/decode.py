@@ -11,6 +11,7 @@ Shape legend: T tokens, N tree nodes, D hidden, V vocab.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,15 +57,25 @@ def _check_request(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int
         )
 
 
-def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int) -> str | None:
-    """Append ``new`` to ``out`` up to the first stop token or the length limit; say why we stopped."""
+TokenCallback = Callable[[list[int]], None]
+
+
+def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
+            on_tokens: TokenCallback | None = None) -> str | None:
+    """Append ``new`` to ``out`` up to the first stop token or the length limit; say why we stopped.
+    ``on_tokens`` receives the tokens actually appended (for streaming)."""
+    start, reason = len(out), None
     for token in new:
         out.append(token)
         if token in stop:
-            return "stop"
+            reason = "stop"
+            break
         if len(out) >= max_new_tokens:
-            return "length"
-    return None
+            reason = "length"
+            break
+    if on_tokens is not None:
+        on_tokens(out[start:])
+    return reason
 
 
 def _now(device: torch.device) -> float:
@@ -81,8 +92,10 @@ def vanilla_generate(
     max_new_tokens: int,
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | None = None,
+    on_tokens: TokenCallback | None = None,
 ) -> GenerationResult:
-    """Autoregressive decoding, one token per target pass, on the same target implementation."""
+    """Autoregressive decoding, one token per target pass, on the same target implementation.
+    ``on_tokens`` is called with each newly committed token list (streaming)."""
     _check_request(target, input_ids, max_new_tokens)
     stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     stats, out, device = GenerationStats(), [], target.device
@@ -91,7 +104,7 @@ def vanilla_generate(
     _, logits = target.forward(input_ids.to(device), cache, all_logits=False)  # (1, 1, V)
     token = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = _now(device) - start
-    reason = _append(out, [token], stop, max_new_tokens)
+    reason = _append(out, [token], stop, max_new_tokens, on_tokens)
     while reason is None:
         start = _now(device)
         _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)
@@ -99,7 +112,7 @@ def vanilla_generate(
         stats.verify_time += _now(device) - start
         stats.rounds += 1
         stats.accepted_per_round.append(0)
-        reason = _append(out, [token], stop, max_new_tokens)
+        reason = _append(out, [token], stop, max_new_tokens, on_tokens)
     return GenerationResult(out, stats, reason)
 
 
@@ -113,8 +126,10 @@ def speculative_generate(
     max_new_tokens: int,
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | None = None,
+    on_tokens: TokenCallback | None = None,
 ) -> GenerationResult:
-    """Lossless GRIFFIN speculative decoding (METHOD.md §5). ``generator`` seeds T>0 sampling."""
+    """Lossless GRIFFIN speculative decoding (METHOD.md §5). ``generator`` seeds T>0 sampling;
+    ``on_tokens`` is called with each round's committed tokens (streaming)."""
     _check_request(target, input_ids, max_new_tokens)
     stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     stats, out, device = GenerationStats(), [], target.device
@@ -129,7 +144,7 @@ def speculative_generate(
     features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False)  # (1,T,D), (1,1,V)
     root = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = _now(device) - start
-    reason = _append(out, [root], stop, max_new_tokens)
+    reason = _append(out, [root], stop, max_new_tokens, on_tokens)
     # Draft input pairs (f_p, x_{p+1}): features of the processed positions and the tokens after them.
     new_tokens = torch.cat([input_ids[0, 1:].to(device), torch.tensor([root], device=device)])  # (T,)
 
@@ -148,7 +163,7 @@ def speculative_generate(
         stats.accepted_per_round.append(result.accept_len)
 
         committed = tree_nodes.tokens[accepted[1:]].tolist() + [result.next_token]  # (A+1,)
-        reason = _append(out, committed, stop, max_new_tokens)
+        reason = _append(out, committed, stop, max_new_tokens, on_tokens)
         features = features_n[:, accepted]  # (1, A+1, D): target features of root + accepted nodes
         new_tokens = torch.tensor(committed, device=device)
     return GenerationResult(out, stats, reason)

@@ -133,3 +133,15 @@ def test_sampling_matches_target_end_to_end(sampling):
         assert pooled_observed == 0
     p_value = chisquare(observed.double().numpy(), expected.double().numpy()).pvalue
     assert p_value > 1e-3, f"chi-square p-value {p_value:.2e}"
+
+
+def test_on_tokens_streams_every_committed_token_once():
+    target = make_target("llama")
+    ids = torch.tensor([[5, 9, 17, 33]])
+    chunks = []
+    spec = speculative_generate(target, OracleDraft(target, 5), ids, TREES["chain"], GREEDY, 17,
+                                stop_token_ids=[], on_tokens=chunks.append)
+    assert [t for c in chunks for t in c] == spec.tokens and len(chunks) == spec.stats.rounds + 1
+    chunks.clear()
+    ref = vanilla_generate(target, ids, GREEDY, 5, stop_token_ids=[], on_tokens=chunks.append)
+    assert chunks == [[t] for t in ref.tokens]
