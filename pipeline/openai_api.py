@@ -1,5 +1,6 @@
 """The OpenAI-compatible wire protocol of ``pipeline.serve``: request schemas, error bodies, prompt
-rendering, completion text with stop sequences, and server-sent-event chunks.
+rendering, completion text with stop sequences, incremental detokenization for streams
+(``TextStream``) and server-sent-event chunks.
 
 Pure functions of the tokenizer and plain data (no Ray, no model), so ``pipeline.evaluate`` renders
 prompts and texts exactly as the server does, and tests can check them without a server.
@@ -7,12 +8,16 @@ prompts and texts exactly as the server does, and tests can check them without a
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger("ray.serve")
 
 
 # ---- request schemas: strict types, so "5" is not a number; unknown OpenAI fields are ignored ----
@@ -66,9 +71,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.param, self.status, self.code, self.kind = param, status, code, kind
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def _validation_error(error: ValidationError) -> ApiError:
@@ -132,19 +139,6 @@ def completion_text(tokenizer: Any, tokens: list[int], stop_ids: list[int], stop
     return text[: min(cuts)], low, True
 
 
-def text_pieces(tokenizer: Any, tokens: list[int], text: str):
-    """Per-token deltas of the final ``text``; a piece goes out once the decoded prefix agrees with
-    the final text that far, so half a multi-byte character is never sent."""
-    sent = 0
-    for k in range(1, len(tokens) + 1):
-        agree = len(os.path.commonprefix([tokenizer.decode(tokens[:k], skip_special_tokens=True), text]))
-        if agree > sent:
-            yield text[sent:agree]
-            sent = agree
-    if sent < len(text):
-        yield text[sent:]
-
-
 def speculative_block(result: Any, enabled: bool, tree: Any) -> dict[str, Any]:
     """A GenerationResult's stats as the response's ``speculative`` block (tau includes the bonus token)."""
     stats = result.stats
@@ -153,20 +147,95 @@ def speculative_block(result: Any, enabled: bool, tree: Any) -> dict[str, Any]:
             "draft_tokens_per_round": tree.total_tokens - 1 if enabled else 0}
 
 
-def sse_events(head: dict, chat: bool, pieces, finish: str, tail: dict):
-    """OpenAI stream chunks: (chat: a role delta first), one chunk per piece, a final chunk with
-    ``finish_reason`` plus usage and the speculative block, then ``data: [DONE]``."""
+# ---- streaming: safe text deltas and server-sent-event chunks ----
+def _pending_stop(text: str, stops: list[str]) -> int:
+    """Where the earliest stop sequence that may still be completing at the end of ``text`` starts
+    (``len(text)`` when none): the text from there on must wait for more tokens."""
+    start = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):  # the longest partial match starts earliest
+            if text.endswith(stop[:k]):
+                start = min(start, len(text) - k)
+                break
+    return start
+
+
+class TextStream:
+    """Incremental detokenization of a generation's committed tokens, honouring stop sequences.
+
+    ``push`` decodes all tokens so far (so the text is exactly what ``completion_text`` sees, tokenizer
+    clean-ups included; one decode per round is cheap next to a target pass) and returns only what is
+    safe to send: never half a multi-byte character (a trailing U+FFFD waits for its next bytes), no
+    trailing whitespace (a clean-up may still rewrite " ." as "."), never text that may be part of a
+    stop sequence. ``stopped`` turns True once a stop sequence is certain; ``finish`` settles the rest
+    with ``completion_text``, so the streamed text equals the non-streamed one."""
+
+    def __init__(self, tokenizer: Any, stop_ids: list[int], stops: list[str]):
+        self.tokenizer, self.stop_ids, self.stops = tokenizer, list(stop_ids), stops
+        self.tokens: list[int] = []
+        self.sent, self.stopped = "", False
+
+    def push(self, tokens: list[int]) -> str:
+        """Add a round's tokens; returns the new text that is safe to send ('' when none)."""
+        self.tokens += tokens
+        if self.stopped:
+            return ""
+        body = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.stop_ids else self.tokens
+        text = self.tokenizer.decode(body, skip_special_tokens=True).rstrip("\ufffd")
+        pending = _pending_stop(text, self.stops)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts and min(cuts) <= pending:  # no stop sequence starting earlier can still complete
+            self.stopped, ready = True, text[: min(cuts)]
+        else:
+            ready = text[: min(pending, len(text.rstrip()))]
+        if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
+            return ""  # nothing new, or the decoded prefix changed: wait, ``finish`` settles it
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta
+
+    def finish(self) -> tuple[str, int, bool]:
+        """The last delta, the completion's token count and whether a stop sequence ended it."""
+        text, n_tokens, hit = completion_text(self.tokenizer, self.tokens, self.stop_ids, self.stops)
+        if not text.startswith(self.sent):  # only a tokenizer that rewrites far back could do this
+            logger.warning("streamed text %r is not a prefix of the final text %r", self.sent, text)
+            return "", n_tokens, hit
+        return text[len(self.sent):], n_tokens, hit
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_chunk(head: dict, chat: bool, delta: dict[str, str], finish_reason: str | None = None,
+              extra: dict | None = None) -> str:
+    """One OpenAI stream chunk: a chat ``delta`` ({"role"}/{"content"}) or a completion's ``text``;
+    the final one carries ``finish_reason`` and ``extra`` (usage, the speculative block)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    choice = ({"index": 0, "delta": delta, "finish_reason": finish_reason} if chat else
+              {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": None})
+    return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **(extra or {})})}\n\n"
 
-    def chunk(delta: dict[str, str], finish_reason: str | None = None, extra: dict | None = None) -> str:
-        choice = ({"index": 0, "delta": delta, "finish_reason": finish_reason} if chat else
-                  {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": None})
-        return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **(extra or {})})}\n\n"
 
+async def sse_stream(items: AsyncIterator[Any], text: TextStream, head: dict, chat: bool,
+                     tail: Callable[[Any, int, bool], tuple[str, dict]]) -> AsyncIterator[str]:
+    """A stream's events: (chat) the role chunk, one chunk per text delta the moment ``items`` yields it,
+    then the final chunk with ``tail(result, completion_tokens, hit_stop)`` = (finish_reason, extra
+    fields), where ``result`` is the last item, and [DONE]. Closing this closes ``items``."""
     if chat:
-        yield chunk({"role": "assistant", "content": ""})
-    for piece in pieces:
-        yield chunk({"content": piece})
-    yield chunk({}, finish, tail)
-    yield "data: [DONE]\n\n"
-
+        yield sse_chunk(head, chat, {"role": "assistant", "content": ""})
+    try:
+        async with contextlib.aclosing(items):
+            async for item in items:
+                if isinstance(item, str):
+                    yield sse_chunk(head, chat, {"content": item})
+                else:
+                    result = item
+    except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
+        logger.exception("streamed generation failed")
+        yield f"data: {json.dumps(ApiError(f'internal error: {error}', kind='server_error').body())}\n\n"
+        return
+    delta, n_tokens, hit = text.finish()
+    if delta:
+        yield sse_chunk(head, chat, {"content": delta})
+    finish, extra = tail(result, n_tokens, hit)
+    yield sse_chunk(head, chat, {}, finish, extra)
+    yield SSE_DONE

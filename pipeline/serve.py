@@ -13,15 +13,20 @@ OpenAI error body naming the field; the replica keeps serving.
 
 Decoding is batch 1: a replica decodes one request at a time under a lock, in a worker thread, so the
 event loop stays free for /health and queued requests; scale with replicas or autoscaling. Streams are
-sent once a request's generation is complete: ``griffin.decode`` has no per-round callback yet.
+live: the decode's per-round ``on_tokens`` callback detokenizes in the worker and hands text deltas to
+the event loop, which sends each as a chunk at once; a stop sequence or a client that goes away ends
+the decode at its next round.
 """
 
 
 import asyncio
+import contextlib
+import functools
 import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +38,12 @@ from ray import serve
 from ray.serve import Application
 
 from griffin.config import SamplingConfig
-from griffin.decode import GenerationResult, speculative_generate, vanilla_generate
+from griffin.decode import (GenerationResult, GenerationStats, TokenCallback, speculative_generate,
+                            vanilla_generate)
 from pipeline.config import RunConfig, config_from_dict, load_config
-from pipeline.openai_api import (ApiError, ChatRequest, CompletionRequest, SamplingRequest, completion_text,
-                                 parse_request, render_chat, speculative_block, sse_events, stop_sequences,
-                                 text_pieces)
+from pipeline.openai_api import (ApiError, ChatRequest, CompletionRequest, SamplingRequest, TextStream,
+                                 completion_text, parse_request, render_chat, speculative_block, sse_stream,
+                                 stop_sequences)
 
 logger = logging.getLogger("ray.serve")
 APP_NAME = "griffin"
@@ -59,6 +65,58 @@ def load_draft_uri(uri: str, target: Any, cfg: RunConfig) -> Any:
 
 def served_model_name(cfg: RunConfig) -> str:
     return cfg.serve.model_name or cfg.target_slug
+
+
+# ---- streaming: the decode in a worker thread, its rounds as server-sent events ----
+class _StopDecoding(Exception):
+    """Raised from the per-round callback to end a decode early; the worker catches it."""
+
+
+def _result_from_rounds(rounds: list[list[int]]) -> GenerationResult:
+    """A decode stopped early returns nothing: rebuild its result from the callbacks (the first is the
+    prefill's token, each later one a round: its accepted draft tokens + 1; a vanilla round is 1 token)."""
+    stats = GenerationStats(rounds=len(rounds) - 1, accepted_per_round=[len(r) - 1 for r in rounds[1:]])
+    return GenerationResult([t for r in rounds for t in r], stats, "stop")
+
+
+async def stream_rounds(run: Callable[[TokenCallback], GenerationResult], text: TextStream,
+                        max_new: int) -> AsyncIterator[str | GenerationResult]:
+    """Runs ``run(on_tokens)`` (the decode) in a worker thread; yields each round's text delta as soon
+    as it is committed, then the GenerationResult. The decode ends early once ``text`` has met a stop
+    sequence or this iterator is closed (the client went away), so the lock is not held for nothing."""
+    loop, queue, closed, rounds = asyncio.get_running_loop(), asyncio.Queue(), threading.Event(), []
+
+    def post(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def on_tokens(tokens: list[int]) -> None:  # in the worker: detokenizing here keeps the loop free
+        rounds.append(tokens)
+        delta = text.push(tokens)
+        if delta:
+            post(delta)
+        ending = len(text.tokens) >= max_new or tokens[-1] in text.stop_ids  # its last call anyway
+        if (text.stopped or closed.is_set()) and not ending:  # a finished decode keeps its exact stats
+            raise _StopDecoding
+
+    def work() -> None:
+        try:
+            outcome = run(on_tokens)
+        except _StopDecoding:
+            outcome = _result_from_rounds(rounds)
+        except BaseException as error:  # re-raised in the event loop, where the stream reports it
+            outcome = error
+        post(outcome)
+
+    loop.run_in_executor(None, work)
+    try:
+        while isinstance(item := await queue.get(), str):
+            yield item
+    finally:
+        closed.set()  # early only when the consumer stopped listening: end the decode at its next round
+    if isinstance(item, BaseException):
+        raise item
+    yield item
 
 
 # ---- the deployment ----
@@ -105,13 +163,27 @@ class SpeculativeDecoder:
             req = parse_request(await request.body(), schema)
             stops = stop_sequences(req.stop)
             prompt_ids, max_new = self._prepare(req)
-            result, used_draft = await asyncio.to_thread(self._generate, req, prompt_ids, max_new)
+            chat = isinstance(req, ChatRequest)
+            head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                    "model": self.model_id}
+            tail = functools.partial(self._tail, len(prompt_ids), self._uses_draft(req))
+            if req.stream:
+                run = functools.partial(self._generate, req, prompt_ids, max_new)
+                text = TextStream(self.target.tokenizer, self.target.stop_token_ids, stops)
+                events = sse_stream(stream_rounds(run, text, max_new), text, head, chat, tail)
+                return StreamingResponse(events, media_type="text/event-stream")
+            result = await asyncio.to_thread(self._generate, req, prompt_ids, max_new)
         except ApiError as error:
             return error.response()
         except Exception as error:  # a bug, not the client's fault: say so and keep serving
             logger.exception("generation failed")
             return ApiError(f"internal error: {error}", status=500, kind="server_error").response()
-        return self._respond(req, len(prompt_ids), result, used_draft, stops)
+        text, n_tokens, hit_stop = completion_text(self.target.tokenizer, result.tokens,
+                                                   self.target.stop_token_ids, stops)
+        finish, extra = tail(result, n_tokens, hit_stop)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
+                  else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice], **extra}
 
     def _prepare(self, req: SamplingRequest) -> tuple[list[int], int]:
         """The prompt's token ids and the token budget, checked against the context window."""
@@ -136,35 +208,31 @@ class SpeculativeDecoder:
                            f"context window of {context}; use at most {room}", "max_tokens")
         return ids, req.max_tokens
 
-    def _generate(self, req: SamplingRequest, prompt_ids: list[int], max_new: int) -> tuple[GenerationResult, bool]:
+    def _uses_draft(self, req: SamplingRequest) -> bool:
+        return self.draft is not None and req.speculative
+
+    def _generate(self, req: SamplingRequest, prompt_ids: list[int], max_new: int,
+                  on_tokens: TokenCallback | None = None) -> GenerationResult:
+        """The decode (blocking: run it in a worker thread); ``on_tokens`` gets each round's tokens."""
         # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
         temperature = req.temperature if req.temperature >= 1e-5 else 0.0
         sampling = SamplingConfig(temperature=temperature, top_p=req.top_p, top_k=req.top_k)
         device = self.target.device
         generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
         input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
-        use_draft = self.draft is not None and req.speculative
         with self.lock:
-            if use_draft:
+            if self._uses_draft(req):
                 return speculative_generate(self.target, self.draft, input_ids, self.tree, sampling, max_new,
-                                            generator), True
-            return vanilla_generate(self.target, input_ids, sampling, max_new, generator), False
+                                            generator, on_tokens=on_tokens)
+            return vanilla_generate(self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens)
 
-    def _respond(self, req, prompt_tokens: int, result: GenerationResult, used_draft: bool, stops: list[str]):
-        tokenizer, chat = self.target.tokenizer, isinstance(req, ChatRequest)
-        text, n_tokens, hit_stop = completion_text(tokenizer, result.tokens, self.target.stop_token_ids, stops)
+    def _tail(self, prompt_tokens: int, used_draft: bool, result: GenerationResult, n_tokens: int,
+              hit_stop: bool) -> tuple[str, dict[str, Any]]:
+        """finish_reason, and the usage + speculative fields every response (or last chunk) ends with."""
         finish = "stop" if hit_stop or result.finish_reason == "stop" else "length"
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
                  "total_tokens": prompt_tokens + n_tokens}
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": self.model_id}
-        tail = {"usage": usage, "speculative": speculative_block(result, used_draft, self.tree)}
-        if req.stream:
-            pieces = text_pieces(tokenizer, result.tokens[:n_tokens], text)
-            return StreamingResponse(sse_events(head, chat, pieces, finish, tail), media_type="text/event-stream")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice], **tail}
+        return finish, {"usage": usage, "speculative": speculative_block(result, used_draft, self.tree)}
 
 
 # ---- building and running the application ----

@@ -1,8 +1,10 @@
 """The Serve endpoint on a real local Ray (127.0.0.1, a free port) with the tiny target and a random draft."""
 
+import asyncio
 import json
 import os
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,12 +14,12 @@ import pytest
 import torch
 
 from griffin.config import SamplingConfig
-from griffin.decode import vanilla_generate
+from griffin.decode import GenerationResult, GenerationStats, vanilla_generate
 from griffin.model import GriffinDraft
 from griffin.weights import save_draft
 from pipeline.config import load_config
-from pipeline.openai_api import completion_text, render_chat, text_pieces
-from pipeline.targets import load_target
+from pipeline.openai_api import TextStream, completion_text, render_chat, sse_stream
+from pipeline.targets import load_target, tiny_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 CHAT = "/v1/chat/completions"
@@ -63,17 +65,155 @@ def test_app_builder_loads_nothing(tmp_path):
         app_builder(ServeArgs())
 
 
-def test_stop_trimming_and_pieces_without_server():
-    """Stop sequences cut the text and count only the tokens that produced it; pieces rebuild the text."""
-    from pipeline.targets import tiny_tokenizer
-
+def test_stop_trimming_without_server():
+    """Stop sequences cut the text and count only the tokens that produced it."""
     tokenizer = tiny_tokenizer()
     tokens = tokenizer("héllo wörld. more")["input_ids"] + [tokenizer.eos_token_id]
     text, used, hit = completion_text(tokenizer, tokens, [tokenizer.eos_token_id], [". m", "zzz"])
     assert (text, hit) == ("héllo wörld", True) and used == len(tokenizer("héllo wörld. m")["input_ids"])
     assert completion_text(tokenizer, tokens, [tokenizer.eos_token_id], [])[:2] == ("héllo wörld. more", len(tokens))
-    pieces = list(text_pieces(tokenizer, tokens, "héllo wörld. more"))
-    assert "".join(pieces) == "héllo wörld. more" and all("\ufffd" not in p for p in pieces)
+
+
+def push_all(text_stream, tokens, per_round=1):
+    """The deltas of pushing ``tokens`` in rounds, and the round after which ``stopped`` turned True."""
+    deltas, stopped_at = [], None
+    for i in range(0, len(tokens), per_round):
+        deltas.append(text_stream.push(tokens[i:i + per_round]))
+        if text_stream.stopped and stopped_at is None:
+            stopped_at = i + per_round
+    return deltas, stopped_at
+
+
+@pytest.mark.parametrize("per_round", [1, 3])
+def test_text_stream_is_safe_and_matches_completion_text(per_round):
+    """Deltas never hold half a character or any part of a stop sequence; the stop is detected in the
+    round that completes it; deltas + finish() == completion_text, token count included."""
+    tokenizer, eos = tiny_tokenizer(), tiny_tokenizer().eos_token_id
+    tokens = tokenizer("héllo wörld. more €")["input_ids"] + [eos]
+    plain = TextStream(tokenizer, [eos], [])
+    deltas, _ = push_all(plain, tokens, per_round)
+    assert all("\ufffd" not in d for d in deltas) and sum(bool(d) for d in deltas) > 3  # many small deltas
+    last, n_tokens, hit = plain.finish()
+    assert ("".join(deltas) + last, n_tokens, hit) == ("héllo wörld. more €", len(tokens), False)
+
+    stream = TextStream(tokenizer, [eos], [". m", "zzz"])
+    deltas, stopped_at = push_all(stream, tokens, per_round)
+    completes = len(tokenizer("héllo wörld. m")["input_ids"])
+    assert stopped_at == -(-completes // per_round) * per_round  # the round holding the stop's last token
+    assert "".join(deltas) == "héllo wörld" and all("." not in d for d in deltas)  # "." waited, never sent
+    assert stream.finish() == ("", completes, True)
+
+
+def test_text_stream_waits_for_a_stop_that_starts_earlier():
+    """With stops "xyz" and "y", seeing "axy" must not stop yet: "xyz" (starting earlier) may complete."""
+    tokenizer = tiny_tokenizer()
+    stream = TextStream(tokenizer, [], ["xyz", "y"])
+    tokens = tokenizer("axyzb")["input_ids"]
+    deltas, stopped_at = push_all(stream, tokens)
+    assert stopped_at == 4 and "".join(deltas) == "a"
+    # the count runs to the first token completing any stop ("y"), as completion_text counts it
+    assert stream.finish() == ("", 3, True) == ("", *completion_text(tokenizer, tokens, [], ["xyz", "y"])[1:])
+
+
+# ---- the streaming bridge with a stand-in decode: no server, no model ----
+HEAD = {"id": "chatcmpl-test", "created": 0, "model": "tiny"}
+
+
+def fake_decode(rounds, gate=None, calls=None):
+    """A decode stand-in committing ``rounds`` through on_tokens; it waits on ``gate`` before its
+    second round and records each round it starts (and how it ended) in ``calls``."""
+    calls = [] if calls is None else calls
+
+    def run(on_tokens):
+        for i, tokens in enumerate(rounds):
+            if i == 1 and gate is not None and not gate.wait(10):
+                raise TimeoutError("the test never released the decode")
+            calls.append(i)
+            try:
+                on_tokens(tokens)
+            except Exception as error:
+                calls.append(type(error).__name__)
+                raise
+        stats = GenerationStats(rounds=len(rounds) - 1, accepted_per_round=[len(r) - 1 for r in rounds[1:]])
+        return GenerationResult([t for r in rounds for t in r], stats, "length")
+    return run
+
+
+def tail(result, n_tokens, hit):
+    return ("stop" if hit else result.finish_reason), {"usage": {"completion_tokens": n_tokens},
+                                                       "rounds": result.stats.rounds}
+
+
+def sse_of(run, stops=(), max_new=1000):
+    from pipeline.serve import stream_rounds
+
+    text = TextStream(tiny_tokenizer(), [tiny_tokenizer().eos_token_id], list(stops))
+    return sse_stream(stream_rounds(run, text, max_new), text, HEAD, True, tail)
+
+
+def parse(event):
+    return json.loads(event.removeprefix("data: "))
+
+
+def test_sse_stream_sends_each_round_while_decoding():
+    """The first content chunk arrives while the decode is still blocked before its second round."""
+    tokens = tiny_tokenizer()("Hello there, streaming world")["input_ids"]
+    rounds, gate = [tokens[i:i + 4] for i in range(0, len(tokens), 4)], threading.Event()
+
+    async def consume():
+        events = sse_of(fake_decode(rounds, gate))
+        try:
+            role = parse(await asyncio.wait_for(anext(events), 10))
+            first = parse(await asyncio.wait_for(anext(events), 10))  # would time out if streams waited
+            assert not gate.is_set()
+        finally:
+            gate.set()
+        return role, first, [e async for e in events]
+
+    role, first, rest = asyncio.run(consume())
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["choices"][0]["delta"]["content"] == "Hell"
+    assert rest[-1] == "data: [DONE]\n\n" and parse(rest[-2])["choices"][0]["finish_reason"] == "length"
+    chunks = [parse(e) for e in rest[:-2]]
+    assert len(chunks) >= len(rounds) - 2  # one chunk per round (a round ending in " " waits for the next)
+    assert "Hell" + "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello there, streaming world"
+
+
+def test_sse_stream_stops_the_decode_at_a_stop_sequence():
+    """The round that completes a stop sequence is the decode's last; usage counts up to that token."""
+    tokens = tiny_tokenizer()("one two three four five six")["input_ids"]
+    rounds, calls = [tokens[i:i + 2] for i in range(0, len(tokens), 2)], []
+    events = asyncio.run(collect(sse_of(fake_decode(rounds, calls=calls), stops=["thr"])))
+    final = parse(events[-2])
+    content = "".join(parse(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert content == "one two " and final["choices"][0]["finish_reason"] == "stop"
+    n_stop = len(tiny_tokenizer()("one two thr")["input_ids"])
+    assert final["usage"]["completion_tokens"] == n_stop and calls[-1] == "_StopDecoding"
+    assert calls[-2] == (n_stop - 1) // 2 and final["rounds"] == (n_stop - 1) // 2  # no round after it
+
+
+async def collect(events):
+    return [e async for e in events]
+
+
+def test_sse_stream_closed_by_the_client_ends_the_decode():
+    """Closing the event stream (a client that went away) makes the decode's next round its last."""
+    tokens = tiny_tokenizer()("abcdefghijklmnop")["input_ids"]
+    rounds, gate, calls = [[t] for t in tokens], threading.Event(), []
+
+    async def leave_early():
+        events = sse_of(fake_decode(rounds, gate, calls))
+        await anext(events), await anext(events)  # the role chunk, the first content chunk
+        await events.aclose()
+        gate.set()
+        for _ in range(100):  # the worker thread ends on its own: wait for it, not for the clock
+            if "_StopDecoding" in calls:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(leave_early())
+    # round 0's callback may already see the close (it posted the chunk we read), else round 1's does
+    assert calls in ([0, "_StopDecoding"], [0, 1, "_StopDecoding"])
 
 
 def greedy_text(target, prompt_ids, max_new):
@@ -125,16 +265,49 @@ def events(server, path, body):
     return [json.loads(line) for line in lines[:-1]]
 
 
+def streamed_text(chunks, chat=True):
+    return "".join(c["choices"][0]["delta"].get("content", "") if chat else c["choices"][0]["text"] for c in chunks)
+
+
 def test_streaming_matches_non_streaming(server):
-    body = {"messages": [{"role": "user", "content": "Stream please."}], "max_tokens": 12, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": "Stream please."}], "max_tokens": 48, "temperature": 0}
     chunks = events(server, CHAT, {**body, "stream": True})
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert streamed == chat(server, "Stream please.")["choices"][0]["message"]["content"]
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "usage" in chunks[-1]
-    text_chunks = events(server, "/v1/completions", {"prompt": "abc", "max_tokens": 6, "stream": True})
+    whole = chat(server, "Stream please.", max_tokens=48)
+    assert streamed_text(chunks) == whole["choices"][0]["message"]["content"]
+    assert len(chunks) > 3  # several rounds, several content chunks (not one blob at the end)
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"] and chunks[-1]["speculative"] == whole["speculative"]
+    completion = {"prompt": "abc", "max_tokens": 24, "temperature": 0}
+    text_chunks = events(server, "/v1/completions", {**completion, "stream": True})
     assert text_chunks[-1]["speculative"]["rounds"] >= 1 and text_chunks[0]["object"] == "text_completion"
+    expected = server.client.post("/v1/completions", json=completion).json()["choices"][0]["text"]
+    assert streamed_text(text_chunks, chat=False) == expected
+
+
+def test_streaming_with_stop_matches_non_streaming(server):
+    """A stop sequence ends the stream with the same text, finish_reason and usage as without streaming."""
+    full = chat(server, "Go on.", max_tokens=32)["choices"][0]["message"]["content"]
+    for stop in (full[10:12], [full[3:5], "never-there"]):
+        whole = chat(server, "Go on.", max_tokens=32, stop=stop)
+        body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 32, "temperature": 0}
+        chunks = events(server, CHAT, {**body, "stop": stop, "stream": True})
+        assert streamed_text(chunks) == whole["choices"][0]["message"]["content"], stop
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop" == whole["choices"][0]["finish_reason"]
+        assert chunks[-1]["usage"] == whole["usage"]
+        assert chunks[-1]["speculative"]["rounds"] <= whole["speculative"]["rounds"]  # stopped early
+
+
+def test_client_leaving_mid_stream_leaves_the_server_serving(server):
+    body = {"messages": [{"role": "user", "content": "A long one."}], "max_tokens": 400, "temperature": 0,
+            "speculative": False, "stream": True}
+    with server.client.stream("POST", CHAT, json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk; then hang up mid-generation
+    assert server.client.get("/health").status_code == 200
+    ids = render_chat(server.target.tokenizer, [{"role": "user", "content": "Still fine?"}])
+    assert chat(server, "Still fine?")["choices"][0]["message"]["content"] == greedy_text(server.target, ids, 12)[0]
 
 
 def test_seed_reproducible_at_t1(server):
