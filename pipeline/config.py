@@ -70,6 +70,8 @@ class TrainSection(Section):
     num_workers: int = Field(default=1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources per worker")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     batch_tokens: int = Field(default=4096, ge=16, description="tokens per worker micro-batch (padded)")
     precision: Literal["bf16", "fp32"] = "bf16"
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)

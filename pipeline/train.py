@@ -28,9 +28,9 @@ from griffin.training import acceptance_counts, acceptance_metrics, make_optimiz
 from griffin.weights import load_draft, save_draft
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.runtime import ensure_ray, setup_mlflow
-from pipeline.store import check_capture_key, ray_dataset
+from pipeline.store import check_capture_key, part_files
 from pipeline.targets import load_target, target_fingerprint
-from pipeline.train_data import eval_split, rank_rows, reduced_vocabulary, shifted_batches
+from pipeline.train_data import eval_split, rank_rows, reduced_vocabulary, shifted_batches, split_rows
 
 SCORE = "eval/sim_accept_len"
 
@@ -89,6 +89,7 @@ def _evaluate(draft, eval_rows: list[dict], cfg: RunConfig, target_head, world: 
 
 
 def train_worker(config: dict[str, Any]) -> None:
+    import ray
     import ray.train
     import ray.train.torch
     from mlflow.entities import Metric
@@ -105,9 +106,10 @@ def train_worker(config: dict[str, Any]) -> None:
     optimizer = make_optimizer(draft, method)
     scheduler = make_scheduler(optimizer, method)
     step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
-    rows = rank_rows(ray.train.get_dataset_shard("train"), rank, world, cfg.train.seed, rows_consumed)
+    files, eval_ids = config["files"], set(config["eval_ids"])
+    rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed)
     batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device)
-    eval_rows = [r for i, r in enumerate(ray.train.get_dataset_shard("eval").iter_rows()) if i % world == rank]
+    eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True)) if i % world == rank]
     client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
     started, tokens_done, first_step = time.time(), 0.0, step
@@ -120,7 +122,8 @@ def train_worker(config: dict[str, Any]) -> None:
         rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
         with open(Path(config["stage_dir"]) / f"data_rank{rank}.jsonl", "a") as log:  # data audit trail
-            log.write(json.dumps({"step": step, "sample_ids": [s for batch in ids for s in batch]}) + "\n")
+            log.write(json.dumps({"step": step, "node": ray.get_runtime_context().get_node_id(),
+                                  "sample_ids": [s for batch in ids for s in batch]}) + "\n")
         if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
             fail_marker.touch()
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
@@ -148,8 +151,7 @@ def train_worker(config: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- driver side -------------
 def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
-    import ray.data
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     out = stage_dir(cfg, stage.stage)
@@ -163,21 +165,16 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
             run_id_file.write_text(run.info.run_id)
     run_id = run_id_file.read_text().strip()
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    full = ray_dataset(cfg.store_path)
-    eval_ids = context["eval_ids"]
-    datasets = {"train": full.filter(lambda row: row["sample_id"] not in eval_ids),
-                "eval": full.filter(lambda row: row["sample_id"] in eval_ids)}
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "init_dir": init_dir, "d2t": d2t,
+                           "files": part_files(cfg.store_path), "eval_ids": sorted(context["eval_ids"]),
                            "mlflow_run_id": run_id, "stage_dir": str(out.resolve()),
                            "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id,
                                           "init_from": init_dir}},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
-        datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=[]),  # each rank takes its own deterministic share
+                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker, **cfg.train.resources},
+                                     placement_strategy=cfg.train.placement_strategy),
         run_config=RayRunConfig(
             name=f"{cfg.run_name}-stage{stage.stage}", storage_path=str((cfg.run_dir / "ray_train").resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE,

@@ -1,0 +1,96 @@
+"""A multi-node rehearsal on one machine: a head and a second node started with `ray start`, each with
+its own resources and a custom label; featurize and train go in with `griffin submit` (ray job
+submit) and must place their actors and workers on both nodes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(*args) -> subprocess.Popen:
+    return subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    gcs, dashboard = free_port(), free_port()
+    head = start_node("--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                      "--include-dashboard=true", "--num-cpus=3", '--resources={"node_a": 1, "griffin_slot": 1}')
+    address = f"http://127.0.0.1:{dashboard}"
+    from ray.job_submission import JobSubmissionClient
+
+    deadline, client = time.time() + 120, None
+    while client is None and time.time() < deadline:
+        try:
+            client = JobSubmissionClient(address)
+        except Exception:
+            time.sleep(1)
+    assert client is not None, "the head node's dashboard never came up"
+    worker = start_node(f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}')
+    import ray
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        nodes = json.loads(subprocess.run([RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
+                                          env=ENV, capture_output=True, text=True).stdout or "[]")
+        if sum(n.get("state") == "ALIVE" for n in nodes) == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the second node never joined")
+    yield address
+    stop(worker)
+    stop(head)
+
+
+def submit(stage, address, tmp_path, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "submit", stage, "-c", "jobs/configs/tiny.yaml", f"output_dir={tmp_path}",
+         "run_name=cluster", *overrides, "--address", address],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.timeout(900)
+def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
+    featurize = submit("featurize", two_node_cluster, tmp_path, "features.num_actors=2",
+                       "features.resources={griffin_slot: 1}")
+    assert featurize.returncode == 0, featurize.stdout[-3000:] + featurize.stderr[-3000:]
+    assert "SUCCEEDED" in featurize.stdout
+    manifest = json.loads((tmp_path / "cluster" / "features" / "_manifest.json").read_text())
+    assert manifest["complete"] and len({part["node"] for part in manifest["files"]}) == 2
+
+    train = submit("train", two_node_cluster, tmp_path, "train.num_workers=2", "train.resources={griffin_slot: 1}",
+                   "train.schedule=[{stage: 1, steps: 3}]", "train.checkpoint_every=3")
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    nodes = {json.loads(line)["node"] for r in (0, 1)
+             for line in (tmp_path / "cluster" / "train" / "stage1" / f"data_rank{r}.jsonl").read_text().splitlines()}
+    assert len(nodes) == 2
+    assert (tmp_path / "cluster" / "train" / "best" / "model.safetensors").exists()

@@ -1,0 +1,89 @@
+"""End to end on the tiny target: `griffin run` through real Ray Data, Ray Train, MLflow and Ray Serve;
+idempotent rerun; interrupt during training and rerun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
+
+
+def griffin(*args, timeout=600, **kwargs):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([*GRIFFIN, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def overrides(tmp_path, name):
+    return [f"output_dir={tmp_path}", f"run_name={name}", "serve.port=8137", "train.method.lr=0.003",
+            "train.method.warmup_steps=0"]
+
+
+@pytest.mark.timeout(900)
+def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
+    first = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = first.stdout
+    for step in ("target", "featurize", "train", "register", "evaluate", "promote"):
+        assert f"] {step}" in out
+    assert "| dataset / T | τ (GRIFFIN)" in out and "mt_bench/T0" in out
+    run_dir = tmp_path / "e2e"
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    for key in ("report", "best_draft"):
+        assert Path(summary["locations"][key]).exists()
+    assert json.loads((run_dir / "features" / "_manifest.json").read_text())["complete"] is True
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert report["mode"] == "through_serve" and report["summary"]["results"]["mt_bench/T0"]["mismatches"] == 0
+    assert summary["promotion"]["promoted"] is True  # the first measured version becomes champion
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient()
+    versions = client.search_model_versions("name = 'tiny-llama-griffin'")
+    assert len(versions) == 1
+    assert client.get_model_version_by_alias("tiny-llama-griffin", "champion").version == versions[0].version
+
+    second = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout.count("already complete") == 3 and "reused" in second.stdout
+    assert len(client.search_model_versions("name = 'tiny-llama-griffin'")) == 1
+
+
+@pytest.mark.timeout(900)
+def test_interrupted_run_resumes_without_duplicates(tmp_path):
+    """Kill `griffin run` once training has checkpointed; the rerun finishes from there."""
+    args = ["run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "kill"),
+            "train.schedule=[{stage: 1, steps: 12}]", "train.checkpoint_every=3"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([*GRIFFIN, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt_root = tmp_path / "kill" / "ray_train" / "kill-stage1"
+    deadline = time.time() + 400
+    while time.time() < deadline and not [p for p in ckpt_root.glob("checkpoint_2*") if p.is_dir()]:
+        time.sleep(0.5)
+    assert proc.poll() is None, "griffin run ended before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log = tmp_path / "kill" / "train" / "stage1" / "data_rank0.jsonl"
+    steps_before = [json.loads(x)["step"] for x in log.read_text().splitlines()]
+    assert 3 <= max(steps_before) < 12
+
+    rerun = griffin(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in log.read_text().splitlines()]
+    resumed = steps[len(steps_before):]
+    assert resumed[0] > 1 and resumed[-1] == 12  # continued from a checkpoint, not from step 1
+    from pipeline.store import part_files, read_manifest
+    import pyarrow.parquet as pq
+
+    store = str(tmp_path / "kill" / "features")
+    ids = [sid for f in part_files(store) for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
+    assert read_manifest(store)["complete"] and len(ids) == len(set(ids)) > 0
