@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
+        if name == "submit":  # before the overrides, so that they stay a trailing list
+            p.add_argument("stage", help="featurize | train | register | eval | serve | run")
         p.add_argument("-c", "--config", required=True, help="run config YAML (see jobs/configs/)")
         p.add_argument("overrides", nargs="*", help="section.field=value overrides")
         if name == "featurize":
@@ -49,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--source", help="draft directory or models:/ URI (default: the run's best)")
             p.add_argument("--out", help="output directory")
         if name == "submit":
-            p.add_argument("stage", help="featurize | train | register | eval | serve | run")
             p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
             p.add_argument("--no-wait", action="store_true", default=None, help="return after submitting")
         if name == "eval":
@@ -58,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # overrides may come anywhere between options (argparse takes a positional list only once)
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *extra]
     flags = {k: v for k, v in vars(args).items() if k not in {"command", "config", "overrides"} and v is not None}
     try:
         cfg = load_config(args.config, args.overrides)

@@ -131,6 +131,7 @@ class ClusterSection(Section):
     num_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="merged into each submitted job's runtime_env")
     python: str | None = Field(default=None, description="interpreter for submitted jobs; default: the submitter's")
+    driver_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved for a submitted job's driver")
 
 
 class RunConfig(Section):

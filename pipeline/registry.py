@@ -216,9 +216,10 @@ def resolve_draft_uri(uri: str | Path, cfg: RunConfig) -> Path:
         raise FileNotFoundError(f"draft {text!r} is neither a directory nor a models:/ or runs:/ URI")
     setup_mlflow(cfg)
     # a fresh copy per resolution: aliases move, so an old download may be another version
-    destination = Path(cfg.output_dir) / "draft-cache" / hashlib.sha256(text.encode()).hexdigest()[:16]
-    shutil.rmtree(destination, ignore_errors=True)
-    destination.mkdir(parents=True)
+    # (a unique folder, so replicas resolving at once never delete each other's download)
+    cache = Path(cfg.output_dir) / "draft-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    destination = Path(tempfile.mkdtemp(dir=cache, prefix=hashlib.sha256(text.encode()).hexdigest()[:16] + "-"))
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=text, dst_path=str(destination)))
     except MlflowException as error:

@@ -24,7 +24,9 @@ def ensure_ray(cfg: RunConfig) -> None:
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = dict(cfg.cluster.runtime_env) or None
+    # a `ray job submit` driver already runs inside the job's runtime_env; passing one again conflicts
+    in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+    runtime_env = None if in_job else (dict(cfg.cluster.runtime_env) or None)
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:

@@ -61,6 +61,7 @@ def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None
         raise ValueError("griffin submit needs the config file path (-c) to send with the job")
     entrypoint = job_entrypoint(stage, config_path, overrides or [], cfg.cluster.python)
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env(cfg),
+                               entrypoint_num_gpus=cfg.cluster.driver_gpus or None,
                                metadata={"griffin_stage": stage, "run_name": cfg.run_name})
     print(f"[submit] {stage} -> {address} as {job_id}: {entrypoint}", flush=True)
     if no_wait:
