@@ -239,4 +239,16 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ValueError(f"{path}: the top level must be a mapping of sections")
     for item in overrides:
         apply_override(data, item)
-    return config_from_dict(data)
+    return config_from_dict(_absolute_paths(data))
+
+
+def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """Relative local paths are relative to where the command runs; Ray workers, actors and Serve
+    replicas run elsewhere, so the driver pins them to absolute paths once, here."""
+    def pin(value: Any) -> Any:
+        return str(Path(value).expanduser().resolve()) if isinstance(value, str) and "://" not in value else value
+
+    data = {**data, "output_dir": pin(data.get("output_dir", "outputs"))}
+    if isinstance(data.get("features"), dict) and data["features"].get("store"):
+        data["features"] = {**data["features"], "store": pin(data["features"]["store"])}
+    return data

