@@ -53,7 +53,7 @@ def bench_generate(target, ids_list, new_tokens):
 
 
 def bench_verify(target, ids, reps):
-    draft = GriffinDraft.for_target(target).to(target.dtype).eval()
+    draft = GriffinDraft.for_target(target).cast_parameters(target.dtype).eval()
     cache = target.new_cache(ids.shape[1] + 128)
     features, _ = target.forward(ids, cache, all_logits=False)
     tokens = torch.cat([ids[0, 1:], torch.tensor([42])])[None]

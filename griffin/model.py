@@ -211,6 +211,14 @@ class GriffinDraft(nn.Module):
         draft = cls(cfg, target.embed_weight, target.head_weight, d2t)
         return draft.to(target.device)
 
+    def cast_parameters(self, dtype: torch.dtype) -> "GriffinDraft":
+        """Cast the trainable weights only. ``module.to(dtype)`` would also cast the frozen target
+        embedding/head (a full copy for fp32 training) and the fp32 RoPE frequencies (bf16 RoPE
+        angles drift from the ones used in training)."""
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+        return self
+
     # ---- pieces -------------------------------------------------------------------------
     @property
     def param_dtype(self) -> torch.dtype:

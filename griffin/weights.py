@@ -131,7 +131,7 @@ def _bind(cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source:
     check_state_dict(draft, state, source)
     draft.load_state_dict(state, strict=True, assign=True)
     draft = draft.to(target.device)
-    return draft.to(dtype) if dtype is not None else draft
+    return draft.cast_parameters(dtype) if dtype is not None else draft
 
 
 # ---- export layouts (STYLE.md item 8: the name maps are data) ------------------------------------

@@ -52,7 +52,7 @@ def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | N
     torch.manual_seed(cfg.train.seed)  # identical init on every rank
     d2t_tensor = torch.tensor(d2t) if d2t else None
     draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, d2t=d2t_tensor, **cfg.draft.overrides)
-    return draft.float()
+    return draft.cast_parameters(torch.float32)  # fp32 master weights; frozen target tensors stay
 
 
 def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
