@@ -46,6 +46,7 @@ class FeaturesSection(Section):
     num_actors: int = Field(default=1, ge=1)
     cpus_per_actor: float = Field(default=1.0, gt=0)
     gpus_per_actor: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources per actor")
     batch_tokens: int = Field(default=8192, ge=1)
     file_rows: int = Field(default=2048, ge=1, description="rows per part file before rolling over")
 

@@ -95,6 +95,12 @@ class Featurizer:
         return out | ({"scales": _objects(scales)} if self.dtype == "fp8" else {})
 
 
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
 class PartWriter:
     """The Ray Data actor: one planned part per row of ``batch`` -> features -> a part file.
     Returns one JSON ``entry`` per part: its manifest entry and the samples it had to skip."""
@@ -126,6 +132,7 @@ class PartWriter:
         if ok.any():
             table = part_table({k: v[ok] for k, v in rows.items()}, self.dtype, self.featurizer.target.hidden_size)
             entry = write_part(self.store, f"part-{self.actor}-{self.parts:05d}.parquet", table)
+            entry["node"] = _node_id()  # where it ran: placement is auditable on a cluster
         self.parts += 1
         return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
 
@@ -197,6 +204,7 @@ def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dic
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
         PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
         num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
+        resources=cfg.features.resources or None,
         fn_constructor_kwargs=dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
                                    batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint,
                                    fail_after=fail_after))
