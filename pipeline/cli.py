@@ -73,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             flags.update(config_path=args.config, overrides=args.overrides)
         module_name, func_name = COMMANDS[args.command][0].split(":")
         result = getattr(importlib.import_module(module_name), func_name)(cfg, **flags)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError) as error:  # bad input: the message names the fix
         print(f"griffin {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # a stage that failed and says why (e.g. an interrupted featurize)
+        print(f"griffin {args.command}: failed: {error}", file=sys.stderr)
+        return 1
     if isinstance(result, dict):
         print(json.dumps(result, indent=2, default=str))
     return 0 if result is not False else 1

@@ -140,7 +140,9 @@ class PartWriter:
 def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int) -> list[dict[str, Any]]:
     """Length-sorted runs of samples (little padding), each at most ``file_rows`` rows and
     ``PART_BYTES`` of features, and at least ``PARTS_PER_ACTOR`` per actor, so every actor gets
-    work, progress shows often and a kill loses little; largest first."""
+    work, progress shows often and a kill loses little. Parts go out in a seeded random order:
+    readers stream files in name order (= order written), and a longest-first order would feed
+    training long conversations first and short ones last."""
     bytes_per_token = hidden_size * (2 if cfg.features.dtype == "bf16" else 1)
     share = math.ceil(len(samples) / (PARTS_PER_ACTOR * cfg.features.num_actors))
     max_rows = min(cfg.features.file_rows, max(1, share))
@@ -157,14 +159,15 @@ def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int) -> list[
               "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
               "input_ids": np.concatenate([s.input_ids for s in part]),
               "loss_mask": np.concatenate([s.loss_mask for s in part])} for part in parts]
-    return sorted(items, key=lambda item: -len(item["input_ids"]))
+    order = np.random.default_rng(cfg.data.shuffle_seed or 0).permutation(len(items))
+    return [items[i] for i in order]
 
 
 def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     """Capture key, tokenized samples and the ledger; the driver's copy of the target ends here."""
     target = load_target(cfg.target)
     key = {**target_fingerprint(target), "layer": LAYER, "post_norm": True, "dtype": cfg.features.dtype,
-           "max_len": cfg.data.max_len}
+           "max_len": cfg.data.max_len, "system_prompt": cfg.data.system_prompt}  # both change every row
     ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
     for conversation in load_conversations(cfg.data, ledger):
         try:
@@ -199,7 +202,7 @@ def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dic
 
     ensure_ray(cfg)
     fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
-    fingerprint = {k: key[k] for k in key if k not in ("layer", "post_norm", "dtype", "max_len")}
+    fingerprint = {k: key[k] for k in key if k not in ("layer", "post_norm", "dtype", "max_len", "system_prompt")}
     # one block per part: each part is its own actor call, so finished parts stream back one by one
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
         PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
