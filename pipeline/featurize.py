@@ -203,6 +203,10 @@ def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dic
     ensure_ray(cfg)
     fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
     fingerprint = {k: key[k] for k in key if k not in ("layer", "post_norm", "dtype", "max_len", "system_prompt")}
+    # Start every actor before handing out parts: otherwise the first actor up (a target load takes
+    # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
+    # hanging, when the cluster cannot place the pool.
+    ray.data.DataContext.get_current().wait_for_min_actors_s = 600
     # one block per part: each part is its own actor call, so finished parts stream back one by one
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
         PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),

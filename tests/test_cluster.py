@@ -55,12 +55,14 @@ def two_node_cluster():
             time.sleep(1)
     assert client is not None, "the head node's dashboard never came up"
     worker = start_node(f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}')
-    import ray
-
     deadline = time.time() + 120
     while time.time() < deadline:
-        nodes = json.loads(subprocess.run([RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
-                                          env=ENV, capture_output=True, text=True).stdout or "[]")
+        listing = subprocess.run([RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
+                                 env=ENV, capture_output=True, text=True).stdout
+        try:
+            nodes = json.loads(listing[listing.find("["):]) if "[" in listing else []
+        except json.JSONDecodeError:  # the state API is still starting
+            nodes = []
         if sum(n.get("state") == "ALIVE" for n in nodes) == 2:
             break
         time.sleep(1)
