@@ -42,35 +42,45 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def two_node_cluster():
     gcs, dashboard = free_port(), free_port()
-    head = start_node("--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                      "--include-dashboard=true", "--num-cpus=3", '--resources={"node_a": 1, "griffin_slot": 1}')
-    address = f"http://127.0.0.1:{dashboard}"
+    nodes = [start_node("--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                        "--include-dashboard=true", "--num-cpus=3", '--resources={"node_a": 1, "griffin_slot": 1}')]
+    try:  # the nodes are stopped even when setting up fails
+        wait_for_dashboard(f"http://127.0.0.1:{dashboard}")
+        nodes.append(start_node(f"--address=127.0.0.1:{gcs}", "--num-cpus=3",
+                                '--resources={"node_b": 1, "griffin_slot": 1}'))
+        wait_for_nodes(gcs, 2)
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        for node in reversed(nodes):
+            stop(node)
+
+
+def wait_for_dashboard(address: str) -> None:
     from ray.job_submission import JobSubmissionClient
 
-    deadline, client = time.time() + 120, None
-    while client is None and time.time() < deadline:
+    deadline = time.time() + 120
+    while time.time() < deadline:
         try:
-            client = JobSubmissionClient(address)
+            JobSubmissionClient(address)
+            return
         except Exception:
             time.sleep(1)
-    assert client is not None, "the head node's dashboard never came up"
-    worker = start_node(f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}')
+    pytest.fail("the head node's dashboard never came up")
+
+
+def wait_for_nodes(gcs: int, count: int) -> None:
     deadline = time.time() + 120
     while time.time() < deadline:
         listing = subprocess.run([RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
                                  env=ENV, capture_output=True, text=True).stdout
         try:
-            nodes = json.loads(listing[listing.find("["):]) if "[" in listing else []
+            alive = json.loads(listing[listing.find("["):]) if "[" in listing else []
         except json.JSONDecodeError:  # the state API is still starting
-            nodes = []
-        if sum(n.get("state") == "ALIVE" for n in nodes) == 2:
-            break
+            alive = []
+        if sum(n.get("state") == "ALIVE" for n in alive) == count:
+            return
         time.sleep(1)
-    else:
-        pytest.fail("the second node never joined")
-    yield address
-    stop(worker)
-    stop(head)
+    pytest.fail("the second node never joined")
 
 
 def submit(stage, address, tmp_path, *overrides):

@@ -32,7 +32,7 @@ def ray_session():
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False)  # never attach to a stray cluster
     yield
     if started:
         ray.shutdown()
