@@ -31,6 +31,7 @@ class GenerationStats:
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0  # target verify forward + acceptance + KV compaction
+    round_seconds: list[tuple[float, float]] = field(default_factory=list)  # (draft, verify) per round
 
     @property
     def acceptance_length(self) -> float:
@@ -157,8 +158,10 @@ def speculative_generate(
         result = verify(tree_nodes, logits_n[0], sampling, generator)
         accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
         target.commit(target_cache, prefix_len, accepted)
+        end = _now(device)
         stats.draft_time += mid - start
-        stats.verify_time += _now(device) - mid
+        stats.verify_time += end - mid
+        stats.round_seconds.append((mid - start, end - mid))
         stats.rounds += 1
         stats.accepted_per_round.append(result.accept_len)
 

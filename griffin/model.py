@@ -235,7 +235,23 @@ class GriffinDraft(nn.Module):
 
     def logits(self, prediction: Tensor) -> Tensor:
         """Token logits over the draft vocabulary from the prediction feature P."""
-        return prediction.to(self.head_weight.dtype) @ self.head_weight.T  # (..., V)
+        prediction = prediction.to(self.head_weight.dtype)
+        packed = self.__dict__.get("packed_head")
+        return packed(prediction) if packed is not None else prediction @ self.head_weight.T  # (..., V)
+
+    def prepack(self) -> bool:
+        """Pre-pack the linears and the head for CPU bf16 drafting (griffin.target.PackedLinear);
+        inference only. The packed head is a plain attribute: it is not part of the state_dict."""
+        from griffin.target import PackedLinear, prepack_linears, prepack_supported
+
+        if not (prepack_supported(self.head_weight.device, self.head_weight.dtype)
+                and prepack_supported(self.head_weight.device, self.param_dtype)):
+            return False
+        prepack_linears(self)
+        head = nn.Linear(self.head_weight.shape[1], self.head_weight.shape[0], bias=False)
+        head.weight = nn.Parameter(self.head_weight, requires_grad=False)
+        self.__dict__["packed_head"] = PackedLinear(head)
+        return True
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]

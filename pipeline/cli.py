@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("pipeline.registry:run_export", "export a draft to another layout"),
     "serve": ("pipeline.serve:run_serve", "serve target + draft with Ray Serve"),
     "eval": ("pipeline.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
+    "tune-tree": ("pipeline.tune:run_tune_tree", "pick the tree budget that maximises expected tokens/s here"),
     "bench-serve": ("pipeline.loadtest:run_bench_serve", "load-test the Serve endpoint"),
     "run": ("pipeline.run:run_all", "every stage end to end"),
     "submit": ("pipeline.submit:run_submit", "submit one stage as a Ray job to --address"),
@@ -53,8 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
             p.add_argument("--no-wait", action="store_true", default=None, help="return after submitting")
-        if name == "eval":
+        if name in ("eval", "tune-tree"):
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
+        if name == "tune-tree":
+            p.add_argument("--prompts", type=int, help="calibration prompts (default 4)")
+            p.add_argument("--max-new-tokens", type=int, help="tokens per calibration prompt (default 64)")
     return parser
 
 

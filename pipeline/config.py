@@ -25,6 +25,9 @@ class TargetSection(Section):
     name: str = Field(description="asset name (griffin.assets), local directory or HF hub id")
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     device: str = "cpu"
+    prepack: bool = Field(
+        default=True, description="CPU bf16 decoding (serve, eval): pre-pack linear weights for oneDNN (no-op elsewhere)"
+    )
     tiny: dict[str, Any] | None = Field(
         default=None, description="build a random target from these LlamaConfig fields instead (tests)"
     )

@@ -25,7 +25,9 @@ DEFINITIONS = {
                     "included; the median over generations (question x turn)",
     "speedup": "median tokens/s of GRIFFIN / median tokens/s of the baseline, over the same generations: "
                "a ratio of medians (EAGLE's speed.py uses a ratio of means)",
-    "mismatches": "T=0 generations where GRIFFIN's output differs from vanilla decoding (must be 0)",
+    "mismatches": "T=0 generations where a speculative method's output differs from vanilla decoding; each "
+                  "with the first divergent position and the target's top-two logit gap there",
+    "violations": "mismatches that are not bf16 near-ties (gap > 0.25 logits): must be 0",
     "protocol": "per dataset and temperature, each question turn is decoded by every method back to back "
                 "(order rotated per question) with the same prompt, max_new_tokens, sampling and seed; "
                 "MT-Bench turn 2 carries GRIFFIN's turn-1 answer for every method; one untimed warm-up "
@@ -58,9 +60,14 @@ def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[s
     for method, entry in stats.items():  # other drafts against the same vanilla (the paper's table)
         if "tau" in entry:
             entry["speedup_vs_vanilla"] = entry["tokens_per_s_median"] / stats["vanilla"]["tokens_per_s_median"]
-    mismatches = [{"question_id": r["question_id"], "turn": r["turn"]} for r in rows
-                  if r["method"] == "griffin" and r["mismatch"]]
+    mismatches = [{"method": r["method"], "question_id": r["question_id"], "turn": r["turn"], **r["divergence"]}
+                  for r in rows if r["mismatch"]]
     return {"methods": stats, "speedup": speedup, "mismatches": mismatches}
+
+
+def violations(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """T=0 divergences from vanilla that bf16 rounding cannot explain (see evaluate.first_divergence)."""
+    return [m for m in result["mismatches"] if not m["near_tie"]]
 
 
 def hardware() -> dict[str, Any]:
@@ -85,6 +92,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
                         "mismatches": len(result["mismatches"])}
         metrics[f"{key}/tau"] = summary[key]["tau"]
         metrics[f"{key}/mismatches"] = summary[key]["mismatches"]
+        metrics[f"{key}/violations"] = summary[key]["violations"] = len(violations(result))
         metrics.update({f"{key}/tokens_per_s/{m}": v for m, v in summary[key]["tokens_per_s"].items()})
         metrics.update({f"{key}/speedup/{m}": v for m, v in result["speedup"].items()})
     mode = "through_serve" if cfg.eval.through_serve else "in_process"
@@ -114,9 +122,14 @@ def _markdown(report: dict[str, Any]) -> str:
                   + ", ".join(f"a{k + 1}={a:.3f}" if a is not None else f"a{k + 1}=n/a" for k, a in enumerate(alphas)),
                   "", f"Acceptance histogram (rounds by accepted 0..depth): "
                   f"{result['methods']['griffin']['acceptance_histogram']}"]
-        if result["mismatches"]:
-            lines += ["", f"**LOSSLESSNESS VIOLATION: {len(result['mismatches'])} T=0 generations differ from "
-                      f"vanilla: {result['mismatches']}**"]
+        if bad := violations(result):
+            lines += ["", f"**LOSSLESSNESS VIOLATION: {len(bad)} T=0 generations differ from vanilla where the "
+                      f"target's choice was not a near-tie: {bad}**"]
+        if ties := [m for m in result["mismatches"] if m["near_tie"]]:
+            lines += ["", f"{len(ties)} T=0 generations left vanilla's at a bf16 near-tie (top-two logit gap <= "
+                      f"{max(m['gap'] for m in ties):.3f}): the tree verify and the single-token step round "
+                      "differently, not an algorithmic difference (the fp32 tests check exact equality). "
+                      f"Where: {[(m['method'], m['question_id'], m['turn'], m['index']) for m in ties]}"]
     return "\n".join(lines) + "\n"
 
 

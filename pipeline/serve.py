@@ -55,12 +55,16 @@ def load_draft_uri(uri: str, target: Any, cfg: RunConfig) -> Any:
     if Path(uri).is_dir():
         from griffin.weights import load_draft
 
-        return load_draft(uri, target, dtype=target.dtype)  # METHOD.md §5.1: draft in the target's dtype
-    if ":/" in uri:
+        draft = load_draft(uri, target, dtype=target.dtype)  # METHOD.md §5.1: draft in the target's dtype
+    elif ":/" in uri:
         from pipeline.registry import load_registered_draft
 
-        return load_registered_draft(uri, target, cfg, dtype=target.dtype)
-    raise FileNotFoundError(f"draft {uri!r} is neither a draft directory nor a models:/ or runs:/ URI")
+        draft = load_registered_draft(uri, target, cfg, dtype=target.dtype)
+    else:
+            raise FileNotFoundError(f"draft {uri!r} is neither a draft directory nor a models:/ or runs:/ URI")
+    if target.packed:  # a decoding process: pack the draft's linears too
+        draft.prepack()
+    return draft
 
 
 def served_model_name(cfg: RunConfig) -> str:
@@ -129,7 +133,7 @@ class SpeculativeDecoder:
         from pipeline.targets import load_target
 
         cfg = config_from_dict(run_config)
-        self.target = load_target(cfg.target)
+        self.target = load_target(cfg.target, decoding=True)
         self.draft_uri = cfg.serve.draft_uri
         self.draft = load_draft_uri(self.draft_uri, self.target, cfg) if self.draft_uri else None
         self.model_id, self.tree = served_model_name(cfg), cfg.serve.tree

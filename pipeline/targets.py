@@ -59,13 +59,17 @@ def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0)
     return TargetAdapter(model, tokenizer, name="tiny-llama")
 
 
-def load_target(section: TargetSection) -> TargetAdapter:
+def load_target(section: TargetSection, decoding: bool = False) -> TargetAdapter:
+    """The run's target; ``decoding=True`` (serve, eval) also applies ``section.prepack``."""
     dtype = resolve_dtype(section.dtype)
     if section.tiny is not None:
         target = build_tiny_target(section.tiny, dtype)
         target.model.to(section.device)
-        return target
-    return TargetAdapter.from_pretrained(section.name, dtype=dtype, device=section.device)
+    else:
+        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=section.device)
+    if decoding and section.prepack:
+        target.prepack()
+    return target
 
 
 def _sha256_text(text: str | None) -> str:

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from griffin.model import GriffinDraft
+from griffin.target import PackedLinear, prepack_supported
 from tests.conftest import make_target
 from tests.test_sampling import hand_tree
 
@@ -58,3 +60,36 @@ def test_cache_overflow_is_an_error():
 def test_tied_head_is_the_embedding():
     target = make_target("llama-tied")
     assert target.head_weight.data_ptr() == target.embed_weight.data_ptr()
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+def test_prepacked_target_and_draft_match_unpacked():
+    """Pre-packed oneDNN linears compute the same function: prefill and tree-verify logits, the
+    weights the draft and the tied head read, and the draft's logits all agree with plain bf16."""
+    plain, packed = make_target("llama-tied"), make_target("llama-tied")
+    plain.model.to(torch.bfloat16), packed.model.to(torch.bfloat16)
+    assert packed.prepack() and isinstance(packed.lm_head, PackedLinear)
+    assert packed.head_weight.data_ptr() == packed.embed_weight.data_ptr()  # still tied, same tensor
+    assert packed.model.state_dict().keys() == plain.model.state_dict().keys()
+    ids = torch.randint(3, 128, (1, 9))
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    outs = []
+    for target in (plain, packed):
+        cache = target.new_cache(32)
+        _, prefill = target.forward(ids, cache)
+        _, verify = target.verify(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1]), tree_mask, cache)
+        outs.append((prefill, verify))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    draft = GriffinDraft.for_target(packed).cast_parameters(torch.bfloat16)
+    prediction = torch.randn(1, 3, packed.hidden_size, dtype=torch.bfloat16)
+    before = draft.logits(prediction)
+    assert draft.prepack()
+    torch.testing.assert_close(draft.logits(prediction), before, atol=0.05, rtol=0.02)
+    assert "packed_head" not in dict(draft.named_modules()) and set(draft.state_dict()) == set(
+        GriffinDraft.for_target(plain).state_dict())
+
+
+def test_prepack_is_a_no_op_in_fp32():
+    target = make_target("llama")
+    assert not target.prepack() and isinstance(target.lm_head, torch.nn.Linear)

@@ -1,0 +1,205 @@
+"""``griffin tune-tree``: the draft-tree budget that maximises expected tokens/s on this hardware.
+
+EAGLE-2's ``total_token=-1`` picks the tree size from the target's measured speed. We measure both
+halves of the trade-off, in one process:
+
+- the target's verify cost curve: one verify forward of N tree tokens after a fixed prefix, for every
+  N of the grid, interleaved over repetitions (medians): the hardware fact that makes wide trees
+  expensive on a CPU (compute-bound) and nearly free on a GPU (bandwidth-bound);
+- per candidate tree (total_tokens, depth, top_k): speculative decoding of calibration prompts at
+  T=0 gives tau (deterministic counts, no timing noise) and the median draft and verify seconds of a
+  round (medians over every round resist the noise of a shared machine).
+
+Expected tokens/s = tau / (median draft + median verify seconds per round); prefill is the same for
+every candidate and left out. A coordinate search starts at ``eval.tree`` and sweeps total_tokens,
+depth and top_k twice. The calibration prompts are the *last* questions of ``eval.datasets``; the
+evaluation takes the first ones, so it never scores the tree on the prompts that picked it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any, Callable
+
+import torch
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import speculative_generate, vanilla_generate
+from pipeline.config import RunConfig
+
+logger = logging.getLogger(__name__)
+TOTAL_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DEPTHS = (2, 3, 4, 5, 6, 8)
+TOP_KS = (1, 2, 3, 4, 6, 8, 10)
+CURVE_PREFIX = 256  # committed tokens before the verified tree (a mid-conversation context)
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    total_tokens: int
+    depth: int
+    top_k: int
+    tau: float
+    draft_ms: float  # median per round
+    verify_ms: float  # median per round: target forward + acceptance + KV compaction
+    tokens_per_s: float  # expected: tau / (draft + verify)
+
+    @property
+    def tree(self) -> TreeConfig:
+        return TreeConfig(total_tokens=self.total_tokens, depth=self.depth, top_k=self.top_k)
+
+
+@torch.inference_mode()
+def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> dict[int, float]:
+    """Median ms of one verify forward of N tree tokens (a chain: cost depends on N, not the shape)."""
+    cache = target.new_cache(CURVE_PREFIX + max(sizes))
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (1, CURVE_PREFIX), generator=generator)
+    target.forward(prefix.to(target.device), cache, all_logits=False)
+    timings: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(repeats + 1):  # repetition 0 warms up
+        for n in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:  # rotate the order
+            tokens = torch.randint(0, target.vocab_size, (n,), generator=generator)
+            chain = torch.tril(torch.ones(n, n, dtype=torch.bool))  # (N, N) ancestor-or-self
+            start = _now(target.device)
+            target.verify(tokens, torch.arange(n), chain, cache)
+            if rep:
+                timings[n].append(_now(target.device) - start)
+            target.commit(cache, CURVE_PREFIX, torch.empty(0, dtype=torch.long))  # roll back to the prefix
+    return {n: 1e3 * median(values) for n, values in timings.items()}
+
+
+def _now(device: torch.device) -> float:
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def measure_tree(target: Any, draft: Any, prompts: list[torch.Tensor], tree: TreeConfig, max_new: int) -> Candidate:
+    accepted: list[int] = []
+    rounds: list[tuple[float, float]] = []
+    for ids in prompts:
+        stats = speculative_generate(target, draft, ids, tree, GREEDY, max_new).stats
+        accepted += stats.accepted_per_round
+        rounds += stats.round_seconds
+    tau = (sum(accepted) + len(accepted)) / len(accepted)
+    draft_s, verify_s = median(d for d, _ in rounds), median(v for _, v in rounds)
+    return Candidate(tree.total_tokens, tree.depth, tree.top_k, tau, 1e3 * draft_s, 1e3 * verify_s,
+                     tau / (draft_s + verify_s))
+
+
+def vanilla_tokens_per_s(target: Any, prompts: list[torch.Tensor], max_new: int) -> float:
+    """1 / the median single-token step of vanilla decoding on the same prompts."""
+    steps = []
+    for ids in prompts:
+        stats = vanilla_generate(target, ids, GREEDY, max_new).stats
+        steps.append(stats.verify_time / max(stats.rounds, 1))
+    return 1.0 / median(steps)
+
+
+def coordinate_search(score: Callable[[TreeConfig], Candidate], start: TreeConfig, sweeps: int = 2,
+                      grids: dict[str, tuple[int, ...]] | None = None) -> tuple[Candidate, list[Candidate]]:
+    """Sweep each budget field over its grid, keep the best, repeat. Trees whose depth x top_k
+    cannot propose total_tokens - 1 nodes are skipped (TreeConfig refuses them)."""
+    grids = grids or {"total_tokens": TOTAL_TOKENS, "depth": DEPTHS, "top_k": TOP_KS}
+    seen: dict[tuple[int, int, int], Candidate] = {}
+    best = start
+    for _ in range(sweeps):
+        for name, grid in grids.items():
+            for value in grid:
+                try:
+                    tree = TreeConfig(**{**best.model_dump(), name: value})
+                except ValueError:
+                    continue
+                key = (tree.total_tokens, tree.depth, tree.top_k)
+                if key not in seen:
+                    seen[key] = score(tree)
+                    logger.info("tune-tree: %s", seen[key])
+            best = max(seen.values(), key=lambda c: c.tokens_per_s).tree
+    ranked = sorted(seen.values(), key=lambda c: -c.tokens_per_s)
+    return ranked[0], ranked
+
+
+def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torch.Tensor]:
+    """First turns of the last ``count`` questions, spread over ``eval.datasets``."""
+    from pipeline.evaluate import load_questions, resolve_dataset
+    from pipeline.openai_api import render_chat
+
+    per_dataset = max(1, -(-count // len(cfg.eval.datasets)))
+    prompts = []
+    for name in cfg.eval.datasets:
+        for question in load_questions(resolve_dataset(name))[-per_dataset:]:
+            prompts.append(torch.tensor([render_chat(tokenizer, [{"role": "user", "content": question["turns"][0]}])]))
+    return prompts[:count]
+
+
+def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int = 4, max_new_tokens: int = 64) -> dict[str, Any]:
+    """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides."""
+    from pipeline.evaluate import _load_draft
+    from pipeline.targets import load_target
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    target = load_target(cfg.target, decoding=True)
+    draft_model, draft_uri = _load_draft(cfg, target, draft)
+    calibration = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, prompts)]
+    curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
+    logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
+    speculative_generate(target, draft_model, calibration[0], cfg.eval.tree, GREEDY, 8)  # warm-up
+    best, ranked = coordinate_search(lambda tree: measure_tree(target, draft_model, calibration, tree, max_new_tokens),
+                                     cfg.eval.tree)
+    vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
+    result = {"draft": draft_uri, "target": target.name, "prepacked": target.packed,
+              "calibration": {"prompts": len(calibration), "max_new_tokens": max_new_tokens},
+              "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla, "start": cfg.eval.tree.model_dump(),
+              "best": asdict(best), "expected_speedup": best.tokens_per_s / vanilla,
+              "candidates": [asdict(c) for c in ranked],
+              "overrides": [f"{section}.tree.{name}={getattr(best, name)}" for section in ("eval", "serve")
+                            for name in ("total_tokens", "depth", "top_k")]}
+    out = cfg.run_dir / "tune_tree"
+    write_tune_report(out, result)
+    print(f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "
+          f"expected {best.tokens_per_s:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
+          f"({vanilla:.1f} tokens/s)\nuse: {' '.join(result['overrides'])}\nreport: {out / 'tune_tree.md'}")
+    return {"best": asdict(best), "expected_speedup": round(result["expected_speedup"], 3), "report": str(out)}
+
+
+def write_tune_report(out: Path, result: dict[str, Any]) -> None:
+    from matplotlib.figure import Figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_tree.json").write_text(json.dumps(result, indent=2))
+    curve = result["verify_ms_by_tokens"]
+    step = curve[1] if 1 in curve else curve[min(curve)]
+    lines = [f"# Tree budget for {result['target']} with draft {result['draft']}", "",
+             f"Vanilla decoding: {result['vanilla_tokens_per_s']:.1f} tokens/s. Calibration: "
+             f"{result['calibration']['prompts']} prompts x {result['calibration']['max_new_tokens']} tokens at T=0.", "",
+             "| tree tokens N | verify ms | / one decode step |", "| ---: | ---: | ---: |"]
+    lines += [f"| {n} | {ms:.1f} | {ms / step:.2f}x |" for n, ms in curve.items()]
+    lines += ["", "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
+              f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
+              for c in result["candidates"]]
+    (out / "tune_tree.md").write_text("\n".join(lines) + "\n")
+
+    figure = Figure(figsize=(11, 4))
+    left, right = figure.subplots(1, 2)
+    left.plot(list(curve), list(curve.values()), marker="o")
+    left.set(xlabel="tree tokens verified in one pass", ylabel="ms", title="target verify cost")
+    by_total: dict[int, float] = {}
+    for c in result["candidates"]:
+        by_total[c["total_tokens"]] = max(by_total.get(c["total_tokens"], 0.0), c["tokens_per_s"])
+    totals = sorted(by_total)
+    right.plot(totals, [by_total[n] for n in totals], marker="o", label="best tree of that size")
+    right.axhline(result["vanilla_tokens_per_s"], color="grey", linestyle="--", label="vanilla")
+    right.set(xlabel="total_tokens", ylabel="expected tokens/s", title="expected speed")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(out / "tune_tree.png", dpi=110)
