@@ -1,7 +1,11 @@
 """Issue 2 benchmark: our vanilla decoding vs HF generate, and tree-verify cost vs one decode step.
 
-Real target (SmolLM2-135M-Instruct, bf16, CPU). A/B runs are interleaved per prompt in one
-process; we report medians of per-prompt ratios. Writes benchmarks/decode.json, decode.md, decode.png.
+Real target (SmolLM2-135M-Instruct, bf16, CPU). Three decoders, interleaved per prompt in one
+process: ours with the target's linears pre-packed for oneDNN (``TargetAdapter.prepack``, what
+serve and eval use), ours on plain weights, and HF ``generate`` on a stock copy of the model. We
+report medians of per-prompt ratios. The verify-cost part times one 16- and one 60-token tree
+verify against a single-token step, interleaved, on both weight layouts.
+Writes benchmarks/decode.json, decode.md, decode.png.
 
     python benchmarks/decode_bench.py [--prompts 8] [--new 64] [--reps 15]
 """
@@ -40,32 +44,53 @@ def time_it(fn):
     return time.perf_counter() - start, out
 
 
-def bench_generate(target, ids_list, new_tokens):
+def bench_generate(packed, plain, ids_list, new_tokens):
     rows = []
-    for ids in ids_list:
-        ours_s, ours = time_it(lambda: vanilla_generate(target, ids, SamplingConfig(), new_tokens, stop_token_ids=[]))
-        hf_s, hf = time_it(lambda: target.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                        do_sample=False, pad_token_id=0))
-        same = ours.tokens == hf[0, ids.shape[1]:].tolist()
-        rows.append({"prompt_len": ids.shape[1], "ours_tok_s": new_tokens / ours_s, "hf_tok_s": new_tokens / hf_s,
-                     "ratio": hf_s / ours_s, "same_tokens": same})
+    greedy = SamplingConfig()
+    for i, ids in enumerate(ids_list):
+        runs = {
+            "ours": lambda: vanilla_generate(packed, ids, greedy, new_tokens, stop_token_ids=[]).tokens,
+            "ours_plain": lambda: vanilla_generate(plain, ids, greedy, new_tokens, stop_token_ids=[]).tokens,
+            "hf": lambda: plain.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                               do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist(),
+        }
+        order = list(runs)[i % 3:] + list(runs)[: i % 3]  # rotate who goes first
+        seconds, tokens = {}, {}
+        for name in order:
+            seconds[name], tokens[name] = time_it(runs[name])
+        rows.append({"prompt_len": ids.shape[1], **{f"{n}_tok_s": new_tokens / seconds[n] for n in runs},
+                     "ratio": seconds["hf"] / seconds["ours"], "ratio_plain": seconds["hf"] / seconds["ours_plain"],
+                     "same_tokens_plain_hf": tokens["ours_plain"] == tokens["hf"],
+                     "same_tokens_packed_hf": tokens["ours"] == tokens["hf"]})
     return rows
 
 
-def bench_verify(target, ids, reps):
-    draft = GriffinDraft.for_target(target).cast_parameters(target.dtype).eval()
-    cache = target.new_cache(ids.shape[1] + 128)
-    features, _ = target.forward(ids, cache, all_logits=False)
-    tokens = torch.cat([ids[0, 1:], torch.tensor([42])])[None]
-    tree = draft_tree(draft, KVCache.allocate(draft.cfg, 512, dtype=target.dtype), features, tokens, TreeConfig())
-    prefix = cache.length
+def bench_verify(targets, ids, reps):
+    """Per weight layout: 60- and 16-token tree verify vs one step, interleaved, same prefix."""
     rows = []
+    setups = {}
+    for name, target in targets.items():
+        draft = GriffinDraft.for_target(target).cast_parameters(target.dtype).eval()
+        cache = target.new_cache(ids.shape[1] + 128)
+        features, _ = target.forward(ids, cache, all_logits=False)
+        tokens = torch.cat([ids[0, 1:], torch.tensor([42])])[None]
+        trees = {n: draft_tree(draft, KVCache.allocate(draft.cfg, 512, dtype=target.dtype), features, tokens,
+                               TreeConfig(total_tokens=n, depth=6 if n == 60 else 5, top_k=10 if n == 60 else 4))
+                 for n in (60, 16)}
+        setups[name] = (target, cache, cache.length, trees)
     for _ in range(reps):
-        verify_s, _ = time_it(lambda: target.verify(tree.tokens, tree.depths, tree.mask, cache))
-        cache.keep(prefix, torch.arange(prefix, prefix))  # drop the tree again
-        step_s, _ = time_it(lambda: target.forward(torch.tensor([[42]]), cache, all_logits=False))
-        cache.keep(prefix, torch.arange(prefix, prefix))
-        rows.append({"verify60_ms": verify_s * 1e3, "step_ms": step_s * 1e3, "ratio": verify_s / step_s})
+        row = {}
+        for name, (target, cache, prefix, trees) in setups.items():
+            for n, tree in trees.items():
+                seconds, _ = time_it(lambda: target.verify(tree.tokens, tree.depths, tree.mask, cache))
+                cache.keep(prefix, torch.arange(prefix, prefix))  # drop the tree again
+                row[f"{name}_verify{n}_ms"] = seconds * 1e3
+            seconds, _ = time_it(lambda: target.forward(torch.tensor([[42]]), cache, all_logits=False))
+            cache.keep(prefix, torch.arange(prefix, prefix))
+            row[f"{name}_step_ms"] = seconds * 1e3
+            for n in trees:
+                row[f"{name}_verify{n}_over_step"] = row[f"{name}_verify{n}_ms"] / row[f"{name}_step_ms"]
+        rows.append(row)
     return rows
 
 
@@ -75,42 +100,59 @@ def main():
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
-    target = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
-    ids_list = prompts(target, args.prompts)
-    bench_generate(target, ids_list[:1], 8)  # warm-up
-    gen = bench_generate(target, ids_list, args.new)
-    ver = bench_verify(target, ids_list[0], args.reps)
+    packed = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
+    assert packed.prepack(), "this CPU has no oneDNN bf16: the packed decoder cannot be measured here"
+    plain = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
+    ids_list = prompts(plain, args.prompts)
+    bench_generate(packed, plain, ids_list[:1], 8)  # warm-up
+    gen = bench_generate(packed, plain, ids_list, args.new)
+    ver = bench_verify({"packed": packed, "plain": plain}, ids_list[0], args.reps)
     med = lambda rows, k: statistics.median(r[k] for r in rows)
+    summary = {"ours_tok_s_median": med(gen, "ours_tok_s"), "ours_plain_tok_s_median": med(gen, "ours_plain_tok_s"),
+               "hf_tok_s_median": med(gen, "hf_tok_s"), "speed_ratio_ours_over_hf_median": med(gen, "ratio"),
+               "speed_ratio_plain_over_hf_median": med(gen, "ratio_plain"),
+               "identical_plain_vs_hf": all(r["same_tokens_plain_hf"] for r in gen),
+               "identical_packed_vs_hf": sum(r["same_tokens_packed_hf"] for r in gen)}
+    for layout in ("packed", "plain"):
+        for key in ("step_ms", "verify16_ms", "verify60_ms", "verify16_over_step", "verify60_over_step"):
+            summary[f"{layout}_{key}_median"] = med(ver, f"{layout}_{key}")
     result = {
         "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
                      "torch": torch.__version__},
-        "target": "smollm2-135m-instruct bf16", "new_tokens": args.new,
-        "generate": gen, "verify": ver,
-        "summary": {"ours_tok_s_median": med(gen, "ours_tok_s"), "hf_tok_s_median": med(gen, "hf_tok_s"),
-                    "speed_ratio_ours_over_hf_median": med(gen, "ratio"),
-                    "all_outputs_identical": all(r["same_tokens"] for r in gen),
-                    "verify60_ms_median": med(ver, "verify60_ms"), "step_ms_median": med(ver, "step_ms"),
-                    "verify60_over_step_median": med(ver, "ratio")},
+        "target": "smollm2-135m-instruct bf16", "new_tokens": args.new, "generate": gen, "verify": ver,
+        "summary": summary,
     }
     (OUT / "decode.json").write_text(json.dumps(result, indent=2))
-    s = result["summary"]
+    s = summary
     (OUT / "decode.md").write_text(
-        "| metric | value |\n|---|---|\n"
-        f"| vanilla_generate tokens/s (median) | {s['ours_tok_s_median']:.1f} |\n"
-        f"| HF generate greedy tokens/s (median) | {s['hf_tok_s_median']:.1f} |\n"
-        f"| ours / HF speed (median of per-prompt ratios) | {s['speed_ratio_ours_over_hf_median']:.2f}x |\n"
-        f"| identical greedy outputs | {s['all_outputs_identical']} |\n"
-        f"| verify 60-token tree (ms, median) | {s['verify60_ms_median']:.1f} |\n"
-        f"| single-token decode step (ms, median) | {s['step_ms_median']:.1f} |\n"
-        f"| verify60 / step (median of ratios) | {s['verify60_over_step_median']:.2f}x |\n")
+        "| metric | packed (ours, default) | plain weights |\n|---|---|---|\n"
+        f"| vanilla_generate tokens/s (median) | {s['ours_tok_s_median']:.1f} | {s['ours_plain_tok_s_median']:.1f} |\n"
+        f"| HF generate greedy tokens/s (median, stock model) | {s['hf_tok_s_median']:.1f} | |\n"
+        f"| ours / HF speed (median of per-prompt ratios) | {s['speed_ratio_ours_over_hf_median']:.2f}x | "
+        f"{s['speed_ratio_plain_over_hf_median']:.2f}x |\n"
+        f"| greedy outputs identical to HF (of {len(gen)} prompts) | {s['identical_packed_vs_hf']} | "
+        f"{len(gen) if s['identical_plain_vs_hf'] else 'not all'} |\n"
+        f"| single-token decode step (ms, median) | {s['packed_step_ms_median']:.1f} | {s['plain_step_ms_median']:.1f} |\n"
+        f"| verify 16-token tree (ms, median) | {s['packed_verify16_ms_median']:.1f} | {s['plain_verify16_ms_median']:.1f} |\n"
+        f"| verify 60-token tree (ms, median) | {s['packed_verify60_ms_median']:.1f} | {s['plain_verify60_ms_median']:.1f} |\n"
+        f"| verify16 / step (median of ratios) | {s['packed_verify16_over_step_median']:.2f}x | "
+        f"{s['plain_verify16_over_step_median']:.2f}x |\n"
+        f"| verify60 / step (median of ratios) | {s['packed_verify60_over_step_median']:.2f}x | "
+        f"{s['plain_verify60_over_step_median']:.2f}x |\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(["ours (vanilla)", "HF generate"], [s["ours_tok_s_median"], s["hf_tok_s_median"]])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].bar(["ours (packed)", "ours (plain)", "HF generate"],
+                [s["ours_tok_s_median"], s["ours_plain_tok_s_median"], s["hf_tok_s_median"]])
     axes[0].set_ylabel("tokens/s (median)")
-    axes[1].bar(["1-token step", "60-token tree"], [s["step_ms_median"], s["verify60_ms_median"]])
+    labels = ["step", "16-tree", "60-tree"]
+    for offset, layout in ((-0.2, "packed"), (0.2, "plain")):
+        values = [s[f"{layout}_step_ms_median"], s[f"{layout}_verify16_ms_median"], s[f"{layout}_verify60_ms_median"]]
+        axes[1].bar([i + offset for i in range(3)], values, 0.4, label=layout)
+    axes[1].set_xticks(range(3), labels)
     axes[1].set_ylabel("ms per target pass (median)")
+    axes[1].legend()
     fig.suptitle("SmolLM2-135M bf16, CPU")
     fig.tight_layout()
     fig.savefig(OUT / "decode.png", dpi=100)

@@ -95,6 +95,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
         metrics[f"{key}/violations"] = summary[key]["violations"] = len(violations(result))
         metrics.update({f"{key}/tokens_per_s/{m}": v for m, v in summary[key]["tokens_per_s"].items()})
         metrics.update({f"{key}/speedup/{m}": v for m, v in result["speedup"].items()})
+        metrics.update({f"{key}/tau/{m}": e["tau"] for m, e in result["methods"].items() if "tau" in e})
     mode = "through_serve" if cfg.eval.through_serve else "in_process"
     return {"definitions": DEFINITIONS, "mode": mode, "target": target.name, "draft": draft_uri,
             "tree": cfg.eval.tree.model_dump(), "draft_tokens_per_round": cfg.eval.tree.total_tokens - 1,
@@ -214,12 +215,14 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
         mlflow.log_metrics(report["metrics"])
         mlflow.log_dict(cfg.resolved(), "config.json")
         mlflow.log_artifacts(str(eval_dir), "eval")
-    if "draft_model_version" in tags:  # the version's own record of how it measured, for promotion
-        client = mlflow.MlflowClient()
-        for key, value in report["metrics"].items():
-            if key.endswith("/tau"):
-                client.set_model_version_tag(tags["draft_model_name"], tags["draft_model_version"],
-                                             f"eval.{key.replace('/', '.')}", f"{value:.4f}")
-        client.set_model_version_tag(tags["draft_model_name"], tags["draft_model_version"], "eval_run_id",
-                                     run.info.run_id)
+    # each registered draft's version gets its own measured tau (tags eval.<dataset>.T<t>.tau), for promotion
+    for label, uri in {"griffin": draft_uri, **cfg.eval.extra_drafts}.items():
+        if version := _registry_version(uri):
+            name, number = version["draft_model_name"], version["draft_model_version"]
+            client = mlflow.MlflowClient()
+            for key, value in report["metrics"].items():
+                if key.endswith(f"/tau/{label}"):
+                    client.set_model_version_tag(name, number, f"eval.{key.removesuffix(f'/{label}').replace('/', '.')}",
+                                                 f"{value:.4f}")
+            client.set_model_version_tag(name, number, "eval_run_id", run.info.run_id)
     return run.info.run_id

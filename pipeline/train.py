@@ -41,8 +41,10 @@ def stage_dir(cfg: RunConfig, stage: int) -> Path:
 
 def method_config(cfg: RunConfig, stage: StageSection) -> TrainConfig:
     """The loss/optimizer config of one stage: variant and stage come from the run, not the YAML."""
-    return cfg.train.method.model_copy(update={"variant": cfg.draft.variant, "stage": stage.stage,
-                                               "lr": stage.lr or cfg.train.method.lr})
+    update = {"variant": cfg.draft.variant, "stage": stage.stage, "lr": stage.lr or cfg.train.method.lr}
+    if "total_steps" not in cfg.train.method.model_fields_set:  # the linear decay spans the stage
+        update["total_steps"] = stage.steps
+    return cfg.train.method.model_copy(update=update)
 
 
 # ---------------------------------------------------------------- worker side -------------

@@ -48,14 +48,21 @@ def last_states(cfg, stage):
     return [torch.load(p, weights_only=True) for p in sorted(ckpts[-1].glob("train_state_rank*.pt"))]
 
 
+@pytest.fixture(scope="module")
+def schedule_run(store):
+    """One 3-stage run, shared: its stage 1 (4 steps, its own LR decay) is also the uninterrupted
+    reference of the resume test."""
+    cfg = train_cfg(store, "sched", "train.schedule=[{stage: 1, steps: 4}, {stage: 2, steps: 2}, {stage: 3, steps: 2}]")
+    return cfg, run_train(cfg)
+
+
 @pytest.mark.timeout(900)
-def test_three_stage_schedule_two_workers(store):
+def test_three_stage_schedule_two_workers(schedule_run):
     """Stages 1->2->3 each start from the previous best; ranks see disjoint rows and agree on weights;
     metrics are in MLflow; the best checkpoint has the highest eval/sim_accept_len."""
     import mlflow
 
-    cfg = train_cfg(store, "sched", "train.schedule=[{stage: 1, steps: 4}, {stage: 2, steps: 2}, {stage: 3, steps: 2}]")
-    summary = run_train(cfg)
+    cfg, summary = schedule_run
     assert [s["stage"] for s in summary["stages"]] == [1, 2, 3]
     for stage in (2, 3):
         provenance = json.loads((stage_dir(cfg, stage) / "best" / "config.json").read_text())["provenance"]
@@ -80,18 +87,17 @@ def test_three_stage_schedule_two_workers(store):
 
 
 @pytest.mark.timeout(900)
-def test_resume_after_crash_gives_identical_weights(store):
-    """An uninterrupted run, a run whose worker dies and is restarted by FailureConfig, and a run
-    that fails outright and is rerun, all end with bit-identical weights."""
+def test_resume_after_crash_gives_identical_weights(store, schedule_run):
+    """An uninterrupted run (the schedule run's stage 1), a run whose worker dies and is restarted by
+    FailureConfig, and a run that fails outright and is rerun, all end with bit-identical weights."""
     from ray.train.v2.api.exceptions import TrainingFailedError
 
-    schedule = "train.schedule=[{stage: 1, steps: 5}]"
-    clean = train_cfg(store, "clean", schedule)
-    run_train(clean)
+    schedule = "train.schedule=[{stage: 1, steps: 4}]"
+    clean, _ = schedule_run
     restarted = train_cfg(store, "restarted", schedule, "train.debug_fail_at_step=3", "train.max_failures=1")
     run_train(restarted)
     log = [json.loads(x)["step"] for x in (stage_dir(restarted, 1) / "data_rank0.jsonl").read_text().splitlines()]
-    assert log == [1, 2, 3, 3, 4, 5]  # step 3 replayed from the step-2 checkpoint
+    assert log == [1, 2, 3, 3, 4]  # step 3 replayed from the step-2 checkpoint
     crashed = train_cfg(store, "crashed", schedule, "train.debug_fail_at_step=3", "train.max_failures=0")
     with pytest.raises(TrainingFailedError):
         run_train(crashed)
@@ -102,10 +108,10 @@ def test_resume_after_crash_gives_identical_weights(store):
         assert all(torch.equal(reference[k], weights[k]) for k in reference)
 
 
-def test_rerun_skips_completed_stages(store, capsys):
-    cfg = train_cfg(store, "clean", "train.schedule=[{stage: 1, steps: 5}]")
+def test_rerun_skips_completed_stages(schedule_run, capsys):
+    cfg, _ = schedule_run
     run_train(cfg)
-    assert "already complete" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("already complete") == 3
 
 
 def test_bad_configs_fail_clearly(store, tmp_path):

@@ -1,0 +1,163 @@
+"""Issue 8's headline tables from the runs ``benchmarks/headline.sh`` made: the paper's shape (tau and
+speedup per dataset x temperature x method), the goals checked, and the data/training facts.
+
+Reads ``outputs/<name>-griffin/eval/report.json`` (one interleaved evaluation of all drafts and
+baselines), ``.../tune_tree/tune_tree.json``, the feature store manifest and each variant's training
+summaries; writes ``benchmarks/headline.json``, ``headline.md`` and ``headline.png``.
+
+    python benchmarks/headline.py [smollm2-full]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).parent
+DRAFTS = {"eagle": "EAGLE-2", "hass": "HASS", "griffin": "GRIFFIN"}
+BASELINES = {"hf_generate": "HF generate", "hf_prompt_lookup": "HF prompt lookup"}
+DATASETS = {"mt_bench": "MT-Bench", "humaneval": "HumanEval"}
+GOALS = {"speedup_vs_vanilla_T0": 2.0, "speedup_vs_hf_generate_T0": 3.0, "tau_vs_hass": 1.08, "tau_vs_eagle": 1.2,
+         "speedup_vs_vanilla_T1": 1.6}
+
+
+def _load(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run benchmarks/headline.sh first")
+    return json.loads(path.read_text())
+
+
+def _training(run_dir: Path) -> list[dict]:
+    stages = []
+    for done in sorted((run_dir / "train").glob("stage*/_complete.json")):
+        summary = json.loads(done.read_text())
+        metrics = summary["best_metrics"]
+        stages.append({"stage": summary["stage"], "best": summary["best"],
+                       **{k: metrics.get(k) for k in ("eval/sim_accept_len", "eval/acc_0", "eval/acc_1", "train/loss")}})
+    return stages
+
+
+def collect(name: str) -> dict:
+    outputs = ROOT / "outputs"
+    report = _load(outputs / f"{name}-griffin" / "eval" / "report.json")
+    tune = _load(outputs / f"{name}-griffin" / "tune_tree" / "tune_tree.json")
+    store = Path(report["config"]["features"]["store"] or outputs / f"{name}-griffin" / "features")
+    manifest = _load(store / "manifest.json")
+    rows = {}
+    for key, result in report["results"].items():  # "mt_bench/T0"
+        methods, vanilla = result["methods"], result["methods"]["vanilla"]["tokens_per_s_median"]
+        rows[key] = {m: {"tau": e.get("tau"), "tokens_per_s": e["tokens_per_s_median"],
+                         "speedup_vs_vanilla": e["tokens_per_s_median"] / vanilla,
+                         "generations": e["generations"]} for m, e in methods.items()}
+        rows[key]["griffin"]["speedup_vs_hf_generate"] = result["speedup"].get("hf_generate")
+        rows[key]["violations"] = sum(1 for m in result["mismatches"] if not m["near_tie"])
+        rows[key]["near_ties"] = sum(1 for m in result["mismatches"] if m["near_tie"])
+    return {"target": report["target"], "tree": report["tree"], "hardware": report["hardware"],
+            "eval": {k: report["config"]["eval"][k] for k in ("datasets", "num_questions", "temperatures",
+                                                              "max_new_tokens", "baselines")},
+            "data": {"conversations": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
+                     "max_len": report["config"]["data"]["max_len"]},
+            "training": {v: _training(outputs / f"{name}-{v}") for v in DRAFTS},
+            "tune_tree": {k: tune[k] for k in ("best", "expected_speedup", "verify_ms_by_tokens", "vanilla_tokens_per_s")},
+            "results": rows, "goals": goals(rows)}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def goals(rows: dict) -> dict:
+    def over(temperature: str, field: str, method: str = "griffin") -> float:
+        return _mean([r[method][field] for k, r in rows.items() if k.endswith(temperature) and r[method].get(field)])
+
+    def tau_ratio(other: str) -> float:
+        return _mean([r["griffin"]["tau"] / r[other]["tau"] for k, r in rows.items() if k.endswith("/T0")])
+
+    measured = {"speedup_vs_vanilla_T0": over("/T0", "speedup_vs_vanilla"),
+                "speedup_vs_hf_generate_T0": over("/T0", "speedup_vs_hf_generate"),
+                "tau_vs_hass": tau_ratio("hass"), "tau_vs_eagle": tau_ratio("eagle"),
+                "speedup_vs_vanilla_T1": over("/T1", "speedup_vs_vanilla")}
+    prompt_lookup = over("/T0", "speedup_vs_vanilla", "hf_prompt_lookup")
+    result = {k: {"goal": GOALS[k], "measured": v, "met": v >= GOALS[k]} for k, v in measured.items()}
+    result["ahead_of_prompt_lookup_T0"] = {"goal": prompt_lookup, "measured": measured["speedup_vs_vanilla_T0"],
+                                           "met": measured["speedup_vs_vanilla_T0"] > prompt_lookup}
+    return result
+
+
+def markdown(data: dict) -> str:
+    lines = [f"Target {data['target']}; tree {data['tree']} (picked by `griffin tune-tree`); "
+             f"{data['data']['conversations']} ShareGPT conversations, {data['data']['tokens']:,} tokens "
+             f"(max_len {data['data']['max_len']}); {data['eval']['num_questions']} questions per dataset "
+             f"(MT-Bench: both turns), {data['eval']['max_new_tokens']} new tokens, batch 1.", ""]
+    temperatures = sorted({key.split("/")[1] for key in data["results"]})
+    datasets = [d for d in DATASETS if any(k.startswith(d + "/") for k in data["results"])]
+    for temperature in temperatures:
+        header = " | ".join(f"{DATASETS[d]} speedup | {DATASETS[d]} τ" for d in datasets)
+        lines += [f"**T = {temperature[1:]}** (speedup = median tokens/s over vanilla decoding in the same "
+                  "implementation; τ = tokens per target pass)", "",
+                  f"| method | {header} | mean speedup | mean τ |", "|---" * (3 + 2 * len(datasets)) + "|"]
+        for method, label in {**BASELINES, **DRAFTS}.items():
+            cells, speedups, taus = [], [], []
+            for dataset in datasets:
+                row = data["results"][f"{dataset}/{temperature}"].get(method)
+                if row is None:
+                    cells += ["-", "-"]
+                    continue
+                speedups.append(row["speedup_vs_vanilla"])
+                cells.append(f"{row['speedup_vs_vanilla']:.2f}x")
+                if row["tau"] is not None:
+                    taus.append(row["tau"])
+                cells.append(f"{row['tau']:.2f}" if row["tau"] is not None else "-")
+            mean_tau = f"{_mean(taus):.2f}" if taus else "-"
+            lines.append(f"| {label} | {' | '.join(cells)} | {_mean(speedups):.2f}x | {mean_tau} |")
+        vanilla = " / ".join(f"{data['results'][f'{d}/{temperature}']['vanilla']['tokens_per_s']:.1f}" for d in datasets)
+        lines += ["", f"Vanilla tokens/s ({' / '.join(DATASETS[d] for d in datasets)}): {vanilla}.", ""]
+    lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
+    for name, goal in data["goals"].items():
+        lines.append(f"| {name} | {goal['goal']:.2f} | {goal['measured']:.2f} | {'yes' if goal['met'] else 'NO'} |")
+    checks = [f"{k}: {r['violations']} violations, {r['near_ties']} bf16 near-tie divergences"
+              for k, r in data["results"].items() if k.endswith("/T0")]
+    lines += ["", "T=0 losslessness (speculative vs vanilla, every draft): " + "; ".join(checks) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(data: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    keys = list(data["results"])
+    methods = {**BASELINES, **DRAFTS}
+    figure = Figure(figsize=(12, 4))
+    left, right = figure.subplots(1, 2)
+    width = 0.8 / len(methods)
+    for i, (method, label) in enumerate(methods.items()):
+        xs = [g + i * width for g in range(len(keys))]
+        left.bar(xs, [data["results"][k][method]["speedup_vs_vanilla"] for k in keys], width, label=label)
+    left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    left.set_xticks([g + 0.4 - width / 2 for g in range(len(keys))], keys)
+    left.set(ylabel="speedup over vanilla (x)", title="speedup (ratio of median tokens/s)")
+    left.legend(fontsize="small")
+    width = 0.8 / len(DRAFTS)
+    for i, (method, label) in enumerate(DRAFTS.items()):
+        xs = [g + i * width for g in range(len(keys))]
+        right.bar(xs, [data["results"][k][method]["tau"] for k in keys], width, label=label)
+    right.set_xticks([g + 0.4 - width / 2 for g in range(len(keys))], keys)
+    right.set(ylabel="τ (tokens per target pass)", title="acceptance length")
+    right.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "smollm2-full"
+    data = collect(name)
+    stem = "headline" if name == "smollm2-full" else f"headline-{name}"
+    (OUT / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    (OUT / f"{stem}.md").write_text(markdown(data))
+    chart(data, OUT / f"{stem}.png")
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()
