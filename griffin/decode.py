@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function  # named ranges for benchmarks/round_profile.py; ~1 us when off
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.model import GriffinDraft, KVCache
@@ -151,13 +152,17 @@ def speculative_generate(
 
     while reason is None:
         start = _now(device)
-        tree_nodes = draft_tree(draft, draft_cache, features, new_tokens[None], tree)
+        with record_function("griffin.draft_tree"):
+            tree_nodes = draft_tree(draft, draft_cache, features, new_tokens[None], tree)
         mid = _now(device)
         prefix_len = target_cache.length
-        features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache)
-        result = verify(tree_nodes, logits_n[0], sampling, generator)
+        with record_function("griffin.verify_forward"):
+            features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache)
+        with record_function("griffin.accept"):
+            result = verify(tree_nodes, logits_n[0], sampling, generator)
         accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
-        target.commit(target_cache, prefix_len, accepted)
+        with record_function("griffin.commit"):
+            target.commit(target_cache, prefix_len, accepted)
         end = _now(device)
         stats.draft_time += mid - start
         stats.verify_time += end - mid

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from griffin.config import TreeConfig
 from griffin.model import GriffinDraft, KVCache
@@ -50,9 +51,10 @@ def catch_up(draft: GriffinDraft, cache: KVCache, features: Tensor, tokens: Tens
 
 def _top_k_log_probs(draft: GriffinDraft, prediction: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """prediction: (..., D) -> log-probs and target ids of the k best tokens: (..., K) each."""
-    log_probs = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (..., V)
-    top = log_probs.topk(k, dim=-1)
-    return top.values, draft.to_target_ids(top.indices)
+    with record_function("griffin.draft.head_topk"):
+        log_probs = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (..., V)
+        top = log_probs.topk(k, dim=-1)
+        return top.values, draft.to_target_ids(top.indices)
 
 
 @torch.inference_mode()
@@ -64,7 +66,8 @@ def draft_tree(
     cfg: TreeConfig,
 ) -> DraftTree:
     root = tokens[0, -1:]
-    P, R = catch_up(draft, cache, features, tokens)  # (1, D) each
+    with record_function("griffin.draft.catch_up"):
+        P, R = catch_up(draft, cache, features, tokens)  # (1, D) each
     if cfg.total_tokens == 1:
         return _assemble(root, torch.empty(0), torch.empty(0, dtype=torch.long),
                          torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), 0)
@@ -86,7 +89,8 @@ def draft_tree(
         tree_rows = torch.cat([node_anc, torch.eye(K, dtype=torch.bool, device=device)], dim=1)  # (K, E+K)
         mask = torch.cat([torch.ones(K, stable_len, dtype=torch.bool, device=device), tree_rows], dim=1)
         positions = torch.full((K,), stable_len + level - 2, device=device)
-        P, R = draft.step(node_features[None], node_tokens[None], positions, cache, mask)  # (1, K, D)
+        with record_function("griffin.draft.level_step"):
+            P, R = draft.step(node_features[None], node_tokens[None], positions, cache, mask)  # (1, K, D)
         child_lp, child_tokens = _top_k_log_probs(draft, P[0], K)  # (K, K)
         cand_scores = (scores[:, None] + child_lp).flatten()  # (K*K,)
         # E.g. K=2: candidates [c00, c01, c10, c11] have parents [n0, n0, n1, n1]
@@ -104,8 +108,9 @@ def draft_tree(
         node_anc = tree_rows[parent_local[best]]  # (K, E+K): parent's row (ancestors + parent)
 
     cache.length = stable_len  # drop the tree's draft KV; only committed positions persist
-    return _assemble(root, torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents),
-                     torch.cat(pool_depths), cfg.total_tokens - 1)
+    with record_function("griffin.draft.assemble"):
+        return _assemble(root, torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents),
+                         torch.cat(pool_depths), cfg.total_tokens - 1)
 
 
 def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, n_keep: int) -> DraftTree:

@@ -71,6 +71,7 @@ class StageSection(Section):
 class TrainSection(Section):
     schedule: list[StageSection] = Field(default_factory=lambda: [StageSection(stage=1, steps=100)])
     method: TrainConfig = Field(default_factory=TrainConfig, description="loss / optimizer hyper-parameters")
+    init_from: str | None = Field(default=None, description="draft directory the first stage starts from")
     num_workers: int = Field(default=1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0)

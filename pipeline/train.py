@@ -225,6 +225,20 @@ def _log_curves(mlflow, run_id: str, out: Path) -> None:
     client.log_artifact(run_id, str(out / "curves.png"))
 
 
+def _checked_init(cfg: RunConfig) -> str | None:
+    """``train.init_from``: a draft directory the first stage starts from (e.g. another run's stage-1
+    best, so that ablations of the later stages share one stage 1)."""
+    if cfg.train.init_from is None:
+        return None
+    config = Path(cfg.train.init_from) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"train.init_from={cfg.train.init_from!r} is not a draft directory (no config.json)")
+    variant = json.loads(config.read_text()).get("griffin", {}).get("variant")
+    if variant != cfg.draft.variant:
+        raise ValueError(f"train.init_from holds a {variant!r} draft but draft.variant={cfg.draft.variant!r}")
+    return str(Path(cfg.train.init_from).resolve())
+
+
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     """Train every stage of ``cfg.train.schedule`` (or only ``stage``), resuming where it stopped."""
     schedule = cfg.train.schedule
@@ -242,7 +256,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
         "store": cfg.store_path,
         "algorithm": "griffin", "variant": cfg.draft.variant, "target": target_fingerprint(target),
         "feature_manifest_sha256": manifest_sha, "resolved_config": cfg.resolved()}}
-    summaries, init_dir = [], None
+    summaries, init_dir = [], _checked_init(cfg)
     for item in schedule:
         done = stage_dir(cfg, item.stage) / "_complete.json"
         if done.exists():
