@@ -122,3 +122,21 @@ def test_bad_configs_fail_clearly(store, tmp_path):
         run_train(other)
     with pytest.raises(ValueError, match="stage 7"):
         run_train(train_cfg(store, "x"), stage=7)
+
+
+def test_init_from_must_be_a_draft_of_the_same_variant(tmp_path):
+    from griffin.model import GriffinDraft
+    from griffin.weights import save_draft
+    from pipeline.targets import load_target
+    from pipeline.train import _checked_init
+
+    cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match="not a draft directory"):
+        _checked_init(cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(tmp_path)})}))
+    eagle = save_draft(GriffinDraft.for_target(load_target(cfg.target), variant="eagle"), tmp_path / "eagle")
+    bad = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}"])
+    with pytest.raises(ValueError, match="'eagle' draft but draft.variant='griffin'"):
+        _checked_init(bad)
+    good = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}",
+                                                  "draft.variant=eagle"])
+    assert _checked_init(good) == str(Path(eagle).resolve())
