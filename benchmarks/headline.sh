@@ -4,10 +4,11 @@
 # together (interleaved) against vanilla decoding, HF generate and HF prompt lookup. Every step resumes
 # or is skipped when done, so a rerun after a kill continues. Results: benchmarks/headline.{json,md,png}.
 #
-#   benchmarks/headline.sh [smollm2-full]        # config name under jobs/configs/
+#   benchmarks/headline.sh [smollm2-full] [all|train|eval]   # config name under jobs/configs/, phase
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${1:-smollm2-full}
+PHASE=${2:-all}
 CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
 TARGET=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').target_slug)")
@@ -18,12 +19,14 @@ HASS=(run_name=$NAME-hass draft.variant=hass registry.model_name=$TARGET-hass)
 EAGLE=(run_name=$NAME-eagle draft.variant=eagle registry.model_name=$TARGET-eagle
        "train.schedule=[{stage: 1, steps: $STEPS, lr: 0.0005}]")
 
-$G featurize -c "$CFG"
-for variant in GRIFFIN EAGLE HASS; do
-  declare -n overrides=$variant
-  $G train -c "$CFG" "${overrides[@]}"
-  $G register -c "$CFG" "${overrides[@]}"
-done
+if [ "$PHASE" != eval ]; then
+  $G featurize -c "$CFG"
+  variant() { $G train -c "$CFG" "$@"; $G register -c "$CFG" "$@"; }
+  variant "${GRIFFIN[@]}"
+  variant "${EAGLE[@]}"
+  variant "${HASS[@]}"
+fi
+[ "$PHASE" = train ] && exit 0
 TUNE=outputs/$NAME-griffin/tune_tree/tune_tree.json
 [ -f "$TUNE" ] || $G tune-tree -c "$CFG" --draft "models:/$TARGET-griffin@candidate"
 read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(open('$TUNE'))['overrides']))")

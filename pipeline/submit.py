@@ -50,6 +50,19 @@ async def _stream_logs(client, job_id: str) -> None:
         print(lines, end="", flush=True)
 
 
+def _submit_when_ready(submit: Any, wait_s: float = 120.0) -> str:
+    """A freshly started head answers HTTP before its job agent is up ("No available agent to submit
+    job"): retry that one error for ``wait_s``, fail on anything else."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return submit()
+        except RuntimeError as error:
+            if "No available agent" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
+
+
 def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None = None,
                overrides: list[str] | None = None, no_wait: bool | None = False, timeout_s: float = 3600) -> dict[str, Any]:
     """Submit, stream the logs until the job ends (unless ``no_wait``), return its status."""
@@ -60,9 +73,9 @@ def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None
     if config_path is None:
         raise ValueError("griffin submit needs the config file path (-c) to send with the job")
     entrypoint = job_entrypoint(stage, config_path, overrides or [], cfg.cluster.python)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env(cfg),
-                               entrypoint_num_gpus=cfg.cluster.driver_gpus or None,
-                               metadata={"griffin_stage": stage, "run_name": cfg.run_name})
+    job_id = _submit_when_ready(lambda: client.submit_job(
+        entrypoint=entrypoint, runtime_env=runtime_env(cfg), entrypoint_num_gpus=cfg.cluster.driver_gpus or None,
+        metadata={"griffin_stage": stage, "run_name": cfg.run_name}))
     print(f"[submit] {stage} -> {address} as {job_id}: {entrypoint}", flush=True)
     if no_wait:
         return {"job_id": job_id, "status": str(client.get_job_status(job_id))}

@@ -42,12 +42,17 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def two_node_cluster():
     gcs, dashboard = free_port(), free_port()
+    # every agent port explicit and free: another Ray on this machine (a developer's run) holds the defaults,
+    # and a head whose job agent cannot bind answers "No available agent to submit job" forever
+    agents = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                      f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
     nodes = [start_node("--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                        "--include-dashboard=true", "--num-cpus=3", '--resources={"node_a": 1, "griffin_slot": 1}')]
+                        "--include-dashboard=true", "--num-cpus=3", '--resources={"node_a": 1, "griffin_slot": 1}',
+                        *agents())]
     try:  # the nodes are stopped even when setting up fails
         wait_for_dashboard(f"http://127.0.0.1:{dashboard}")
         nodes.append(start_node(f"--address=127.0.0.1:{gcs}", "--num-cpus=3",
-                                '--resources={"node_b": 1, "griffin_slot": 1}'))
+                                '--resources={"node_b": 1, "griffin_slot": 1}', *agents()))
         wait_for_nodes(gcs, 2)
         yield f"http://127.0.0.1:{dashboard}"
     finally:
