@@ -76,18 +76,26 @@ def train_step(
 
 
 @torch.no_grad()
+def teacher_ids(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | None = None, bf16: bool = False) -> Tensor:
+    """The target's greedy next-token ids (B, T) at every position of ``batch``. ``target_head``
+    (V_target, D) is the full LM head, so a reduced draft vocabulary is judged against the target's
+    real argmax (default: the draft's own head). It depends only on the data: compute it once."""
+    with torch.no_grad(), autocast(batch.features.device, bf16):
+        if target_head is None:
+            return draft.to_target_ids(draft.logits(batch.target_features).argmax(-1))
+        return (batch.target_features.to(target_head.dtype) @ target_head.T).argmax(-1)
+
+
+@torch.no_grad()
 def acceptance_counts(
-    draft: GriffinDraft, batch: ShiftedBatch, steps: int, target_head: Tensor | None = None, bf16: bool = False
+    draft: GriffinDraft, batch: ShiftedBatch, steps: int, target_head: Tensor | None = None, bf16: bool = False,
+    teacher: Tensor | None = None,
 ) -> Tensor:
     """(2, K) float64: row 0 = accepted chains per step, row 1 = chains that reached the step.
-    ``target_head`` (V_target, D): the full LM head, so that a reduced draft vocabulary is judged
-    against the target's real argmax (defaults to the draft's own head)."""
+    ``teacher``: ``teacher_ids(draft, batch, target_head, bf16)`` when already computed."""
     draft.eval()
-    with autocast(batch.features.device, bf16):
-        if target_head is None:
-            teacher = draft.to_target_ids(draft.logits(batch.target_features).argmax(-1))  # (B, T)
-        else:
-            teacher = (batch.target_features.to(target_head.dtype) @ target_head.T).argmax(-1)  # (B, T)
+    if teacher is None:
+        teacher = teacher_ids(draft, batch, target_head, bf16)  # (B, T)
     next_token = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], 1)  # (B, T) x_{t+2}
     greedy_data = teacher == next_token  # the data follows the target's greedy path here
     counts = torch.zeros(2, steps, dtype=torch.float64)

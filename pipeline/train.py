@@ -24,7 +24,8 @@ import torch
 
 from griffin.config import TrainConfig
 from griffin.model import GriffinDraft
-from griffin.training import acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, train_step
+from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
+                              train_step)
 from griffin.weights import load_draft, save_draft
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.runtime import ensure_ray, setup_mlflow
@@ -81,10 +82,19 @@ def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
     return state["step"], state["rows_consumed"]
 
 
-def _evaluate(draft, eval_rows: list[dict], cfg: RunConfig, target_head, world: int) -> dict[str, float]:
+def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: bool) -> list[tuple]:
+    """The held-out batches with the target's greedy ids on them, built once per worker: the teacher
+    is a (T, V_target) head matmul per batch that never changes between evaluations."""
+    batches = [batch for batch, _ in shifted_batches(iter(eval_rows), cfg.train.batch_tokens, draft.cfg.hidden_size,
+                                                     target_head.device)]
+    return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
+
+
+def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bool) -> dict[str, float]:
+    """eval/acc_k and eval/sim_accept_len on the held-out rows, in the training precision."""
     counts = torch.zeros(2, cfg.train.eval_steps, dtype=torch.float64)
-    for batch, _ in shifted_batches(iter(eval_rows), cfg.train.batch_tokens, draft.cfg.hidden_size, target_head.device):
-        counts += acceptance_counts(draft, batch, cfg.train.eval_steps, target_head)
+    for batch, teacher in eval_set:
+        counts += acceptance_counts(draft, batch, cfg.train.eval_steps, bf16=bf16, teacher=teacher)
     if world > 1:
         torch.distributed.all_reduce(counts)
     return acceptance_metrics(counts)
@@ -112,6 +122,8 @@ def train_worker(config: dict[str, Any]) -> None:
     rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed)
     batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device)
     eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True)) if i % world == rank]
+    bf16 = cfg.train.precision == "bf16"
+    eval_set = _eval_set(draft, eval_rows, cfg, target.head_weight.to(device), bf16)
     client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
     started, tokens_done, first_step = time.time(), 0.0, step
@@ -119,7 +131,7 @@ def train_worker(config: dict[str, Any]) -> None:
     while step < stage.steps:
         micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        metrics = train_step(model, draft, micro, optimizer, scheduler, method, cfg.train.precision == "bf16", generator)
+        metrics = train_step(model, draft, micro, optimizer, scheduler, method, bf16, generator)
         step += 1
         rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
@@ -132,7 +144,7 @@ def train_worker(config: dict[str, Any]) -> None:
         report = {f"train/{k}": v for k, v in metrics.items()}
         do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
         if do_ckpt or step % cfg.train.eval_every == 0:
-            report.update(_evaluate(draft, eval_rows, cfg, target.head_weight.to(device), world))
+            report.update(_evaluate(draft, eval_set, cfg, world, bf16))
         if rank == 0:
             elapsed = time.time() - started
             rate = tokens_done / max(elapsed, 1e-9)
