@@ -149,13 +149,33 @@ def chart(data: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def attach_to_registry(name: str, files: list[Path]) -> None:
+    """One MLflow run holding the headline files; each variant's candidate version is tagged with it."""
+    sys.path.insert(0, str(ROOT))
+    from pipeline.config import load_config
+    from pipeline.runtime import setup_mlflow
+
+    cfg = load_config(ROOT / "jobs" / "configs" / f"{name}.yaml")
+    mlflow = setup_mlflow(cfg)
+    with mlflow.start_run(run_name=f"{name}-headline", tags={"stage": "headline"}) as run:
+        for path in files:
+            mlflow.log_artifact(str(path), "headline")
+    client = mlflow.MlflowClient()
+    for variant in DRAFTS:
+        model = f"{cfg.target_slug}-{variant}"
+        version = client.get_model_version_by_alias(model, "candidate")
+        client.set_model_version_tag(model, version.version, "headline_run_id", run.info.run_id)
+
+
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "smollm2-full"
     data = collect(name)
     stem = "headline" if name == "smollm2-full" else f"headline-{name}"
-    (OUT / f"{stem}.json").write_text(json.dumps(data, indent=2))
-    (OUT / f"{stem}.md").write_text(markdown(data))
-    chart(data, OUT / f"{stem}.png")
+    files = [OUT / f"{stem}.json", OUT / f"{stem}.md", OUT / f"{stem}.png"]
+    files[0].write_text(json.dumps(data, indent=2))
+    files[1].write_text(markdown(data))
+    chart(data, files[2])
+    attach_to_registry(name, files)
     print(markdown(data))
 
 

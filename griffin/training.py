@@ -80,7 +80,7 @@ def teacher_ids(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | 
     """The target's greedy next-token ids (B, T) at every position of ``batch``. ``target_head``
     (V_target, D) is the full LM head, so a reduced draft vocabulary is judged against the target's
     real argmax (default: the draft's own head). It depends only on the data: compute it once."""
-    with torch.no_grad(), autocast(batch.features.device, bf16):
+    with autocast(batch.features.device, bf16):
         if target_head is None:
             return draft.to_target_ids(draft.logits(batch.target_features).argmax(-1))
         return (batch.target_features.to(target_head.dtype) @ target_head.T).argmax(-1)
