@@ -108,7 +108,7 @@ def train_worker(config: dict[str, Any]) -> None:
     from mlflow.tracking import MlflowClient
 
     cfg, stage = config_from_dict(config["run"]), StageSection(**config["stage"])
-    method = method_config(cfg, stage)
+    method = TrainConfig(**config["method"])  # resolved on the driver, where the YAML's own keys are known
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -171,17 +171,19 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     out = stage_dir(cfg, stage.stage)
     out.mkdir(parents=True, exist_ok=True)
     mlflow = setup_mlflow(cfg)
+    method = method_config(cfg, stage)
     run_id_file = out / "mlflow_run_id"
     if not _run_exists(mlflow, run_id_file):  # reuse the MLflow run when an interrupted stage resumes
         with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}") as run:
             mlflow.log_params({"variant": cfg.draft.variant, "stage": stage.stage, "steps": stage.steps,
-                               "workers": cfg.train.num_workers, **method_config(cfg, stage).model_dump()})
+                               "workers": cfg.train.num_workers, **method.model_dump()})
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
             run_id_file.write_text(run.info.run_id)
     run_id = run_id_file.read_text().strip()
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "init_dir": init_dir, "d2t": d2t,
+        train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "method": method.model_dump(mode="json"),
+                           "init_dir": init_dir, "d2t": d2t,
                            "files": part_files(cfg.store_path), "eval_ids": sorted(context["eval_ids"]),
                            "mlflow_run_id": run_id, "stage_dir": str(out.resolve()),
                            "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id,

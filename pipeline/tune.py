@@ -167,6 +167,9 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int = 4, ma
     print(f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "
           f"expected {best.tokens_per_s:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
           f"({vanilla:.1f} tokens/s)\nuse: {' '.join(result['overrides'])}\nreport: {out / 'tune_tree.md'}")
+    if result["expected_speedup"] < 1.0:
+        print("warning: no tree budget beats vanilla decoding with this draft on this machine: the draft's "
+              "acceptance is too low for the cost of a draft + verify round here; train it longer or serve without it")
     return {"best": asdict(best), "expected_speedup": round(result["expected_speedup"], 3), "report": str(out)}
 
 

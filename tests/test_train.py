@@ -140,3 +140,15 @@ def test_init_from_must_be_a_draft_of_the_same_variant(tmp_path):
     good = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}",
                                                   "draft.variant=eagle"])
     assert _checked_init(good) == str(Path(eagle).resolve())
+
+
+def test_stage_lr_decay_spans_the_stage_unless_total_steps_is_set(tmp_path):
+    """The worker gets the driver's resolved method config: the linear decay ends with the stage
+    (total_steps = stage steps) unless the YAML sets total_steps itself."""
+    from pipeline.train import method_config
+
+    cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
+    stages = cfg.train.schedule
+    assert [method_config(cfg, s).total_steps for s in stages] == [s.steps for s in stages]
+    pinned = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", "train.method.total_steps=800000"])
+    assert method_config(pinned, stages[0]).total_steps == 800000
