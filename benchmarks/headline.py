@@ -44,7 +44,7 @@ def collect(name: str) -> dict:
     report = _load(outputs / f"{name}-griffin" / "eval" / "report.json")
     tune = _load(outputs / f"{name}-griffin" / "tune_tree" / "tune_tree.json")
     store = Path(report["config"]["features"]["store"] or outputs / f"{name}-griffin" / "features")
-    manifest = _load(store / "manifest.json")
+    manifest = _load(store / "_manifest.json")
     rows = {}
     for key, result in report["results"].items():  # "mt_bench/T0"
         methods, vanilla = result["methods"], result["methods"]["vanilla"]["tokens_per_s_median"]
