@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import speculative_generate, vanilla_generate
+from griffin.decode import _now, speculative_generate, vanilla_generate
 from pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -72,14 +72,6 @@ def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> 
                 timings[n].append(_now(target.device) - start)
             target.commit(cache, CURVE_PREFIX, torch.empty(0, dtype=torch.long))  # roll back to the prefix
     return {n: 1e3 * median(values) for n, values in timings.items()}
-
-
-def _now(device: torch.device) -> float:
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def measure_tree(target: Any, draft: Any, prompts: list[torch.Tensor], tree: TreeConfig, max_new: int) -> Candidate:

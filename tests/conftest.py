@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -15,6 +16,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+
+
+def free_port() -> int:
+    """A port nothing on 127.0.0.1 listens on right now (servers and Ray nodes the tests start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def make_target(arch: str = "llama", seed: int = 0, **overrides) -> TargetAdapter:

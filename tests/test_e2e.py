@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
 
@@ -19,14 +21,6 @@ def griffin(*args, timeout=600, **kwargs):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     return subprocess.run([*GRIFFIN, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
                           **kwargs)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def overrides(tmp_path, name):

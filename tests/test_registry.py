@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from griffin.weights import save_draft
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline.targets import build_tiny_target, load_target, target_fingerprint
-from tests.conftest import make_target
+from tests.conftest import free_port, make_target
 
 
 def make_cfg(output_dir, *overrides):
@@ -166,12 +165,6 @@ def test_export_and_ui_commands(store, target, tmp_path, capsys):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     command = registry.run_mlflow_ui(cfg, launch=False)["command"]
     assert command[-4:-2] == ["--host", "127.0.0.1"] and cfg.tracking_uri in command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

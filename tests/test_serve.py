@@ -3,7 +3,6 @@
 import asyncio
 import json
 import os
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +11,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+
+from tests.conftest import free_port
 
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, GenerationStats, vanilla_generate
@@ -23,12 +24,6 @@ from pipeline.targets import load_target, tiny_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 CHAT = "/v1/chat/completions"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
