@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest -q --timeout=300 -p no:cacheprovider tests
+	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider tests
 
 run: setup
 	$(VENV)/bin/griffin run -c $(CONFIG)

@@ -2,7 +2,10 @@
 
 Score: ``eval/sim_accept_len`` of each stage's best checkpoint (held-out simulated acceptance: the
 expected number of accepted draft tokens of a 5-step greedy chain drafted with the draft's own
-features, sum_k prod_{i<=k} acc_i; tau of a chain is 1 + this) and the per-step acceptance ``eval/acc_k``. Writes benchmarks/ablations.json and ablations.md.
+features, sum_k prod_{i<=k} acc_i; tau of a chain is 1 + this) and the per-step acceptance ``eval/acc_k``.
+The vocabulary rows also get what they cost at decode time: the draft LM head + top-k for one tree
+level (top_k rows of the headline tree), pre-packed as in decoding, sizes interleaved, medians.
+Writes benchmarks/ablations.json and ablations.md.
 
     python benchmarks/ablations.py
 """
@@ -10,7 +13,11 @@ features, sum_k prod_{i<=k} acc_i; tau of a chain is 1 + this) and the per-step 
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent
@@ -45,6 +52,31 @@ def rows() -> dict[str, dict | None]:
     return table
 
 
+VOCABS = {"stage 1 only: 4k vocab": 4096, "stage 1 only: GRIFFIN, 8k vocab": 8192,
+          "stage 1 only: 16k vocab": 16384, "stage 1 only: full 49152 vocab": 49152}
+
+
+def head_ms(hidden: int = 576, rows: int = 4, top_k: int = 4, repeats: int = 300) -> dict[int, float]:
+    """Median ms of one draft-level head (rows, hidden) @ (hidden, V) + top-k, per vocabulary size V,
+    bf16 and pre-packed as ``GriffinDraft.prepack`` does on this CPU; the sizes take turns."""
+    from griffin.target import PackedLinear, prepack_supported
+
+    torch.manual_seed(0)
+    heads = {}
+    for vocab in VOCABS.values():
+        linear = torch.nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16).requires_grad_(False)
+        heads[vocab] = PackedLinear(linear) if prepack_supported(torch.device("cpu"), torch.bfloat16) else linear
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16)  # (rows, H): one level's frontier
+    samples: dict[int, list[float]] = {v: [] for v in heads}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for vocab, head in heads.items():
+                start = time.perf_counter()
+                head(x).float().topk(top_k, dim=-1)  # (rows, V) -> (rows, top_k)
+                samples[vocab].append((time.perf_counter() - start) * 1e3)
+    return {v: statistics.median(s) for v, s in samples.items()}
+
+
 def markdown(table: dict[str, dict | None]) -> str:
     lines = ["| configuration | sim accepted / chain (held-out) | acc_0 | acc_1 | acc_2 |", "|---|---|---|---|---|"]
     for name, score in table.items():
@@ -56,11 +88,22 @@ def markdown(table: dict[str, dict | None]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def vocab_markdown(table: dict[str, dict | None], cost: dict[int, float]) -> str:
+    lines = ["| draft vocabulary | sim accepted / chain (held-out) | head + top-k per level (ms) |", "|---|---|---|"]
+    for name, vocab in VOCABS.items():
+        score = table[name]
+        accepted = f"{score['eval/sim_accept_len']:.3f}" if score else "not run"
+        lines.append(f"| {vocab} | {accepted} | {cost[vocab]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     table = rows()
-    (OUT / "ablations.json").write_text(json.dumps(table, indent=2))
-    (OUT / "ablations.md").write_text(markdown(table))
-    print(markdown(table))
+    cost = head_ms()
+    (OUT / "ablations.json").write_text(json.dumps({"runs": table, "head_ms_by_vocab": cost}, indent=2))
+    text = markdown(table) + "\n" + vocab_markdown(table, cost)
+    (OUT / "ablations.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 # or is skipped when done, so a rerun after a kill continues. Results: benchmarks/headline.{json,md,png}.
 #
 #   benchmarks/headline.sh [smollm2-full] [all|train|eval]   # config name under jobs/configs/, phase
+#   TUNE_ARGS="--prompts 2 --max-new-tokens 48" benchmarks/headline.sh qwen0.5b-full   # a cheaper tune-tree
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${1:-smollm2-full}
@@ -28,7 +29,7 @@ if [ "$PHASE" != eval ]; then
 fi
 [ "$PHASE" = train ] && exit 0
 TUNE=outputs/$NAME-griffin/tune_tree/tune_tree.json
-[ -f "$TUNE" ] || $G tune-tree -c "$CFG" --draft "models:/$TARGET-griffin@candidate"
+[ -f "$TUNE" ] || $G tune-tree -c "$CFG" ${TUNE_ARGS:-} --draft "models:/$TARGET-griffin@candidate"
 read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(open('$TUNE'))['overrides']))")
 $G eval -c "$CFG" "${TREE[@]}" --draft "models:/$TARGET-griffin@candidate" \
   "eval.extra_drafts={hass: 'models:/$TARGET-hass@candidate', eagle: 'models:/$TARGET-eagle@candidate'}"
