@@ -215,7 +215,9 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
         mlflow.log_metrics(report["metrics"])
         mlflow.log_dict(cfg.resolved(), "config.json")
         mlflow.log_artifacts(str(eval_dir), "eval")
-    # each registered draft's version gets its own measured tau (tags eval.<dataset>.T<t>.tau), for promotion
+    # each registered draft's version gets its own measured tau (tags eval.<dataset>.T<t>.tau), for promotion;
+    # tau depends on the tree budget, so the version also says which tree and which run measured it
+    tree = cfg.eval.tree
     for label, uri in {"griffin": draft_uri, **cfg.eval.extra_drafts}.items():
         if version := _registry_version(uri):
             name, number = version["draft_model_name"], version["draft_model_version"]
@@ -225,4 +227,5 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
                     client.set_model_version_tag(name, number, f"eval.{key.removesuffix(f'/{label}').replace('/', '.')}",
                                                  f"{value:.4f}")
             client.set_model_version_tag(name, number, "eval_run_id", run.info.run_id)
+            client.set_model_version_tag(name, number, "eval_tree", f"{tree.total_tokens}/{tree.depth}/{tree.top_k}")
     return run.info.run_id

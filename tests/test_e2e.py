@@ -52,6 +52,10 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     versions = client.search_model_versions("name = 'tiny-llama-griffin'")
     assert len(versions) == 1
     assert client.get_model_version_by_alias("tiny-llama-griffin", "champion").version == versions[0].version
+    tags = versions[0].tags  # the evaluation's tau, and which tree and run measured it
+    tree = json.loads((run_dir / "eval" / "report.json").read_text())["tree"]
+    assert float(tags["eval.mt_bench.T0.tau"]) >= 1.0 and tags["eval_run_id"]
+    assert tags["eval_tree"] == f"{tree['total_tokens']}/{tree['depth']}/{tree['top_k']}"
 
     second = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"))
     assert second.returncode == 0, second.stderr[-3000:]
