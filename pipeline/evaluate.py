@@ -161,12 +161,16 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
 
     if draft_uri is None:
         raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
-    serving = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_uri": draft_uri})})
-    url, started = ensure_serving(serving)
+    # a deployment this call starts decodes with eval.tree, the tree the report names
+    serve = cfg.serve.model_copy(update={"draft_uri": draft_uri, "tree": cfg.eval.tree})
+    url, started = ensure_serving(cfg.model_copy(update={"serve": serve}))
     client = httpx.Client()
-    served = client.get(f"{url}/v1/models").json()["data"][0]["draft"]
-    if served != draft_uri:
-        logger.warning("%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served, draft_uri)
+    served = client.get(f"{url}/v1/models").json()["data"][0]
+    if served["draft"] != draft_uri:
+        logger.warning("%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served["draft"], draft_uri)
+    if served["tree"] != cfg.eval.tree.model_dump():
+        logger.warning("%s decodes with tree %s, not eval.tree %s: the endpoint numbers are that tree's",
+                       url, served["tree"], cfg.eval.tree.model_dump())
     methods = {"griffin": endpoint_decoder(client, url, True), "vanilla": endpoint_decoder(client, url, False)}
     return methods, started
 

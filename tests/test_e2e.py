@@ -47,8 +47,8 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
 
     import mlflow
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = mlflow.tracking.MlflowClient()
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # explicit: another test in this process may have set a registry URI
+    client = mlflow.tracking.MlflowClient(tracking_uri=store, registry_uri=store)
     versions = client.search_model_versions("name = 'tiny-llama-griffin'")
     assert len(versions) == 1
     assert client.get_model_version_by_alias("tiny-llama-griffin", "champion").version == versions[0].version
