@@ -26,13 +26,13 @@ from griffin.decode import vanilla_generate
 from griffin.model import GriffinDraft, KVCache
 from griffin.target import TargetAdapter
 from griffin.tree import draft_tree
+from pipeline.resources import load_questions
 
 OUT = Path(__file__).parent
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
 
 
 def prompts(target, n):
-    lines = [json.loads(x) for x in DATA.read_text().splitlines()[:n]]
+    lines = load_questions("mt_bench", n)
     return [target.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
             for q in lines]

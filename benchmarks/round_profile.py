@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from griffin.config import SamplingConfig, TreeConfig  # noqa: E402
 from griffin.decode import speculative_generate  # noqa: E402
 from griffin.target import TargetAdapter  # noqa: E402
-from griffin.weights import load_draft  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
 from pipeline.openai_api import render_chat  # noqa: E402
+from pipeline.resources import load_draft, load_questions  # noqa: E402
 
 OUT = Path(__file__).parent
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
 RANGES = ("griffin.draft_tree", "griffin.draft.catch_up", "griffin.draft.level_step", "griffin.draft.head_topk",
           "griffin.draft.assemble", "griffin.verify_forward", "griffin.accept", "griffin.commit")
 
@@ -46,9 +46,8 @@ def main() -> None:
     tree = TreeConfig(total_tokens=total, depth=depth, top_k=top_k)
     target = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
     packed = target.prepack()
-    draft = load_draft(args.draft, target, dtype=target.dtype)
-    draft.prepack()
-    questions = [json.loads(x)["turns"][0] for x in DATA.read_text().splitlines()[-args.prompts:]]
+    draft = load_draft(args.draft, target, load_config("jobs/configs/smollm2-quick.yaml"))  # packed like the target
+    questions = [q["turns"][0] for q in load_questions("mt_bench")[-args.prompts:]]
     prompts = [torch.tensor([render_chat(target.tokenizer, [{"role": "user", "content": q}])]) for q in questions]
     speculative_generate(target, draft, prompts[0], tree, SamplingConfig(), 8)  # warm-up
     rounds, wall = 0, 0.0

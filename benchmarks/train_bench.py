@@ -57,7 +57,7 @@ BASE_CONFIG = "jobs/configs/smollm2-quick.yaml"
 STAGES = (1, 2, 3)
 GB = 1e9
 
-# LLaMA3-8B target with GRIFFIN's draft config (METHOD.md §2.4): H 4096, I 11008, 32 heads MHA, V 128256
+# LLaMA3-8B target with GRIFFIN's draft config (docs/method.md §2.5): H 4096, I 11008, 32 heads MHA, V 128256
 L3 = {"H": 4096, "I": 11008, "heads": 32, "V": 128256, "T": 2048, "P": 416_301_056}
 
 
@@ -384,7 +384,7 @@ cannot be reset, so it never moves during the steps; VmHWM after `clear_refs` ca
 
 ## LLaMA3-8B target at max_len 2048 (on paper)
 
-Draft per METHOD.md §2.4: H = {H}, I = {I}, {heads} heads MHA, V = {Vl}, P = {P:,} trainable parameters; one
+Draft per docs/method.md §2.5: H = {H}, I = {I}, {heads} heads MHA, V = {Vl}, P = {P:,} trainable parameters; one
 {T}-token sequence per step, bf16 autocast with fp32 master weights. GB = 10^9 bytes. One (T, V) fp32 tensor is
 {T} x {Vl} x 4 B = {est['tv4_bytes'] / GB:.2f} GB.
 
@@ -396,7 +396,7 @@ Resident for the whole run:
 | **static total** | **{tot['1']['static_GB']:.2f}** |
 
 Per step, at the peak (the backward of one pass's loss). Every pass is back-propagated before the next one
-starts (METHOD.md §4.3), so a pass's activations are freed before the next pass; what grows with the number of
+starts (docs/method.md §3.2), so a pass's activations are freed before the next pass; what grows with the number of
 passes J is the J fused streams the TGF runs and the J*T keys the attention sees.
 
 | term | stage 1 (J=1) | stage 2 (J=2) | stage 3 (J=3) |
@@ -427,7 +427,7 @@ Arithmetic:
 Everything per step scales with the tokens per micro-batch: each further 2048-token sequence adds the per-step
 rows again ({tot['3']['total_fused_attention_GB'] - tot['1']['static_GB']:.1f} GB at stage 3, fused attention), so the official 4 x 2048 tokens per GPU
 come to ~{tot['1']['static_GB'] + 4 * (tot['3']['total_fused_attention_GB'] - tot['1']['static_GB']):.0f} GB at stage 3 without gradient checkpointing (the official code checkpoints
-the decoder layer, METHOD.md §4.4), and the (T, V) fp32 terms are the first thing to chunk or fuse beyond that.
+the decoder layer, docs/method.md §3.4), and the (T, V) fp32 terms are the first thing to chunk or fuse beyond that.
 """
 
 

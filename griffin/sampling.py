@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree against the target (METHOD.md §5.5, §5.6).
+"""Lossless verification of a draft tree against the target (docs/method.md §5).
 
 Terminology (as in vLLM's rejection sampler):
 - accepted: draft tokens on the chosen root-to-node path that the target keeps;

@@ -1,8 +1,8 @@
-"""One adapter over any HF llama/qwen2/mistral-family causal LM (STYLE.md §9).
+"""One adapter over any HF llama/qwen2/mistral-family causal LM (one adapter, no forked modeling code).
 
 It needs four things from the target and gets them from stock transformers, with no forked
 ``modeling_*.py``: a prefill/verify forward returning the post-norm last-layer features
-(METHOD.md §1) and logits, a 4-D tree mask passed as ``attention_mask`` (HF returns a 4-D mask
+(docs/method.md §1) and logits, a 4-D tree mask passed as ``attention_mask`` (HF returns a 4-D mask
 as-is), a preallocated KV cache plugged in as a ``Cache`` of our own layers, and the frozen
 embedding / LM head.
 
@@ -253,7 +253,7 @@ class TargetAdapter:
         return features, logits.float()
 
     def verify(self, tree_tokens: Tensor, tree_depths: Tensor, tree_mask: Tensor, cache: TargetCache):
-        """One forward over a token tree written after the committed prefix (METHOD.md §5.4).
+        """One forward over a token tree written after the committed prefix (docs/method.md §5).
         tree_tokens/tree_depths: (N,), tree_mask: (N, N) ancestor-or-self. Returns (1,N,D), (1,N,V)."""
         n = cache.length
         positions = n + tree_depths.to(self.device)  # (N,)

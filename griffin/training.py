@@ -1,4 +1,4 @@
-"""Pure-PyTorch training pieces that the Ray Train loop wraps (METHOD.md §4.4, DESIGN.md metrics).
+"""Pure-PyTorch training pieces that the Ray Train loop wraps (docs/method.md §3.4, docs/design.md §8).
 
 - ``make_optimizer`` / ``make_scheduler``: AdamW (0.9, 0.95), linear warm-up then linear decay.
 - ``train_step``: one optimizer step over ``grad_accum`` micro-batches, each running every pass
@@ -21,21 +21,22 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from griffin.config import TrainConfig
+from griffin.config import StagePlan, TrainConfig
 from griffin.losses import ShiftedBatch, shift_right, token_alignable_step
 from griffin.model import GriffinDraft
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, cfg: TrainConfig, plan: StagePlan) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=plan.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, plan: StagePlan) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``cfg.warmup_steps``, then linear decay to 0 at ``plan.total_steps``."""
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        return max(0.0, (cfg.total_steps - step) / max(1, cfg.total_steps - cfg.warmup_steps))
+        return max(0.0, (plan.total_steps - step) / max(1, plan.total_steps - cfg.warmup_steps))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -53,6 +54,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     cfg: TrainConfig,
+    plan: StagePlan,
     bf16: bool = True,
     generator: torch.Generator | None = None,
 ) -> dict[str, float]:
@@ -63,7 +65,7 @@ def train_step(
     tokens = 0
     for batch in micro_batches:
         with autocast(batch.features.device, bf16):
-            metrics = token_alignable_step(model, batch, cfg, draft=draft, generator=generator)
+            metrics = token_alignable_step(model, batch, cfg, plan, draft=draft, generator=generator)
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value / cfg.grad_accum
         tokens += int(batch.attention_mask.sum())

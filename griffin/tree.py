@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft tree with a GRIFFIN draft (METHOD.md §5.3).
+"""EAGLE-2 dynamic draft tree with a GRIFFIN draft (docs/method.md §4).
 
 Per round: a catch-up pass feeds the newly committed (target feature, next token) pairs into the
 draft's persistent KV cache; then ``depth`` levels expand the ``top_k`` best nodes by cumulative
@@ -38,7 +38,7 @@ class DraftTree:
 
 
 def catch_up(draft: GriffinDraft, cache: KVCache, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """Feed committed pairs (f_p, x_{p+1}) at positions cache.length.. (METHOD.md §1 shift).
+    """Feed committed pairs (f_p, x_{p+1}) at positions cache.length.. (docs/method.md §1 shift).
     features: (1, T, D) target features; tokens: (1, T). Returns P, R of the last pair: (1, D) each."""
     start, T = cache.length, tokens.shape[1]
     positions = torch.arange(start, start + T, device=tokens.device)

@@ -1,4 +1,4 @@
-"""Draft directories: save, strict load, and export maps (DESIGN.md "Checkpoints and export").
+"""Draft directories: save, strict load, and export maps (docs/design.md §6).
 
 A draft directory holds ``config.json`` (HF LlamaConfig fields + ``architectures: ["GriffinDraft"]``
 + our ``DraftConfig`` + provenance) and ``model.safetensors`` with the trainable weights (and the
@@ -77,14 +77,20 @@ def read_draft_config(path: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
     return DraftConfig(**raw["griffin"]), raw
 
 
-def weights_sha256(path: str | Path) -> str:
-    """sha256 over every saved tensor's name, dtype, shape and bytes: the identity of a draft's
-    weights, independent of the file's metadata and of where the directory lives."""
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The one weights hash of the project: sha256 over every tensor's name, shape, dtype and raw
+    bytes, in name order. A target's state dict, a draft directory's file and a training checkpoint
+    are all identified by it, independent of file metadata and of where the files live."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(load_file(Path(path) / WEIGHTS_NAME).items()):
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for name, tensor in sorted(tensors.items()):
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def weights_sha256(path: str | Path) -> str:
+    """``tensors_sha256`` of a draft directory's weights file."""
+    return tensors_sha256(load_file(Path(path) / WEIGHTS_NAME))
 
 
 def check_compatible(cfg: DraftConfig, target: Any) -> None:
@@ -125,7 +131,7 @@ def load_draft(path: str | Path, target: Any, dtype: torch.dtype | None = None) 
 
 def _bind(cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source: str,
           dtype: torch.dtype | None = None) -> GriffinDraft:
-    """Build on meta, check keys and shapes strictly, then adopt the tensors (STYLE.md item 8)."""
+    """Build on meta, check keys and shapes strictly, then adopt the tensors."""
     with torch.device("meta"):
         draft = GriffinDraft(cfg, target.embed_weight, target.head_weight, state.get("d2t"))
     check_state_dict(draft, state, source)
@@ -134,7 +140,7 @@ def _bind(cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source:
     return draft.cast_parameters(dtype) if dtype is not None else draft
 
 
-# ---- export layouts (STYLE.md item 8: the name maps are data) ------------------------------------
+# ---- export layoutsthe name maps are data) ------------------------------------
 # Each map is {our state-dict name: the layout's name}. Frozen target tensors are not ours to map:
 # exports that need the embedding add it under the layout's own name.
 
@@ -149,7 +155,7 @@ LAYER_UPSTREAM_NAMES: dict[str, str] = {
     "layer.mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",  # 2H x I with TEH
 }
 
-# The official GRIFFIN draft (``cnets1``), METHOD.md §2.4.
+# The official GRIFFIN draft (``cnets1``), docs/method.md §2.5.
 GRIFFIN_UPSTREAM_NAMES: dict[str, str] = {
     "fusion.fc.weight": "fc.fc.weight",
     "fusion.fc.bias": "fc.fc.bias",

@@ -1,8 +1,8 @@
-"""Ray job entrypoint: `python -m jobs.evaluate -c CONFIG [section.field=value ...]`."""
+"""Ray job entrypoint: `python -m jobs.evaluate -c CONFIG [flags] [section.field=value ...]`, i.e. `griffin eval`."""
 
 import sys
 
-from jobs._entry import main
+from pipeline.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline.evaluate:run_eval"))
+    sys.exit(main(["eval", *sys.argv[1:]]))

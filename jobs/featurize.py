@@ -1,8 +1,8 @@
-"""Ray job entrypoint: `python -m jobs.featurize -c CONFIG [section.field=value ...]`."""
+"""Ray job entrypoint: `python -m jobs.featurize -c CONFIG [flags] [section.field=value ...]`, i.e. `griffin featurize`."""
 
 import sys
 
-from jobs._entry import main
+from pipeline.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline.featurize:run_featurize"))
+    sys.exit(main(["featurize", *sys.argv[1:]]))

@@ -1,8 +1,8 @@
-"""Ray job entrypoint: `python -m jobs.register -c CONFIG [section.field=value ...]`."""
+"""Ray job entrypoint: `python -m jobs.register -c CONFIG [flags] [section.field=value ...]`, i.e. `griffin register`."""
 
 import sys
 
-from jobs._entry import main
+from pipeline.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline.registry:run_register"))
+    sys.exit(main(["register", *sys.argv[1:]]))

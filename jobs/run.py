@@ -1,8 +1,8 @@
-"""Ray job entrypoint: `python -m jobs.run -c CONFIG [section.field=value ...]`."""
+"""Ray job entrypoint: `python -m jobs.run -c CONFIG [flags] [section.field=value ...]`, i.e. `griffin run`."""
 
 import sys
 
-from jobs._entry import main
+from pipeline.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline.run:run_all"))
+    sys.exit(main(["run", *sys.argv[1:]]))

@@ -1,8 +1,8 @@
-"""Ray job entrypoint: `python -m jobs.serve -c CONFIG [section.field=value ...]`."""
+"""Ray job entrypoint: `python -m jobs.serve -c CONFIG [flags] [section.field=value ...]`, i.e. `griffin serve`."""
 
 import sys
 
-from jobs._entry import main
+from pipeline.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline.serve:run_serve"))
+    sys.exit(main(["serve", *sys.argv[1:]]))

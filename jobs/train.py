@@ -1,8 +1,8 @@
-"""Ray job entrypoint: `python -m jobs.train -c CONFIG [section.field=value ...]`."""
+"""Ray job entrypoint: `python -m jobs.train -c CONFIG [flags] [section.field=value ...]`, i.e. `griffin train`."""
 
 import sys
 
-from jobs._entry import main
+from pipeline.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("pipeline.train:run_train"))
+    sys.exit(main(["train", *sys.argv[1:]]))

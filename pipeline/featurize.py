@@ -1,5 +1,5 @@
-"""Featurize: run the target over conversations into the Parquet feature store (DESIGN.md
-"Feature store", "Ray conventions").
+"""Featurize: run the target over conversations into the Parquet feature store (docs/design.md
+§5).
 
 The driver loads the target (for its tokenizer and fingerprint), selects and tokenizes the
 conversations (``pipeline.sources``), drops the sample ids the store already holds, and cuts the
@@ -25,12 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
 from pipeline.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
+from pipeline.resources import load_target, target_fingerprint
 from pipeline.store import (ACTOR_REASONS, LAYER, encode_hidden, open_for_writing, part_table, verify_store,
                             write_manifest, write_part)
-from pipeline.targets import load_target, target_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Featurizer:
             tokens[b, : len(sequence)], attention[b, : len(sequence)] = torch.from_numpy(sequence.astype(np.int64)), 1
         device = self.target.device
         out = self.target.backbone(input_ids=tokens.to(device), attention_mask=attention.to(device))
-        features = out.last_hidden_state.cpu()  # (B, T, D), after the final norm (METHOD.md §1)
+        features = out.last_hidden_state.cpu()  # (B, T, D), after the final norm (docs/method.md §1)
         return [features[b, : len(s)] for b, s in enumerate(sequences)]  # right padding never reaches these
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -178,11 +179,13 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
 
 
 class Progress:
-    """A log line per finished part: conversations, tokens, tokens/s, bytes written, ETA."""
+    """A log line per finished part (conversations, tokens, tokens/s, bytes written, ETA) and the
+    stage's console line."""
 
     def __init__(self, rows: int, tokens: int):
         self.total_rows, self.total_tokens, self.start = rows, tokens, time.perf_counter()
         self.rows = self.tokens = self.bytes = 0
+        self.console = console.Progress("featurize", tokens, "tokens")
 
     def update(self, result: dict[str, Any]) -> None:
         self.rows, self.tokens = self.rows + result["rows"], self.tokens + result["tokens"]
@@ -191,6 +194,7 @@ class Progress:
         logger.info("featurize: %d/%d conversations, %d/%d tokens, %.0f tokens/s, %.1f MB written, ETA %.0f s",
                     self.rows, self.total_rows, self.tokens, self.total_tokens, rate, self.bytes / 1e6,
                     (self.total_tokens - self.tokens) / max(rate, 1e-9))
+        self.console.update(self.tokens, f"{self.rows}/{self.total_rows} conversations  {rate:.0f} tokens/s")
 
     @property
     def elapsed(self) -> float:
@@ -262,6 +266,10 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
     manifest["complete"] = progress.rows == len(todo)  # every selected sample is in a part or the ledger
     write_manifest(cfg.store_path, manifest)
     totals = manifest["totals"]
+    if todo:
+        progress.console.close(f"{progress.rows}/{progress.total_rows} conversations")
+    console.say(f"[featurize] store {cfg.store_path}: {totals['rows']} conversations, {totals['tokens']} tokens"
+                f"{'' if todo else ' (already complete)'}")
     rate = progress.tokens / max(progress.elapsed, 1e-9)
     return {"store": cfg.store_path, "complete": manifest["complete"],
             **{k: totals[k] for k in ("files", "rows", "tokens", "bytes", "bytes_per_token")},

@@ -25,10 +25,10 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::")
 
 
 def _prompts(cfg: RunConfig, count: int) -> list[str]:
-    from pipeline.evaluate import load_questions, resolve_dataset
+    from pipeline.resources import load_questions
 
     try:
-        questions = load_questions(resolve_dataset(cfg.eval.datasets[0]), count)
+        questions = load_questions(cfg.eval.datasets[0], count)
         return [q["turns"][0] for q in questions]
     except (FileNotFoundError, IndexError):  # no question file here: the load test still needs prompts
         return [f"Write a short note about the number {i}." for i in range(count)]

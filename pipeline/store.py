@@ -1,4 +1,4 @@
-"""The Parquet feature store (DESIGN.md "Feature store"): writing parts and the manifest, checking
+"""The Parquet feature store (docs/design.md §5): writing parts and the manifest, checking
 capture keys and checksums, and reading rows back for training.
 
 One row per conversation: ``sample_id``, ``input_ids`` list<int32>, ``loss_mask`` list<uint8>,

@@ -1,6 +1,7 @@
 """``griffin submit <stage> -c CONFIG --address http://HEAD:8265``: one stage as a Ray job.
 
-The job runs ``python -m jobs.<stage> -c CONFIG [overrides]`` on the cluster with a runtime_env
+The job runs ``python -m jobs.<stage> -c CONFIG [stage flags] [overrides]`` (the same ``griffin
+<stage>`` command line, e.g. ``--stage 2`` for train or ``--promote`` for register) on the cluster with a runtime_env
 whose working_dir is this repository (code, configs) plus whatever ``cluster.runtime_env`` adds
 (e.g. ``pip`` with the pinned constraints for a cluster without the packages). Paths in the config
 must be valid on the cluster: use shared-filesystem paths or object-store URIs for
@@ -25,7 +26,8 @@ STAGES = {"featurize": "featurize", "train": "train", "register": "register", "e
 EXCLUDES = [".venv", ".git", "outputs", "**/__pycache__", "benchmarks/*.png", "*.egg-info"]
 
 
-def job_entrypoint(stage: str, config_path: str, overrides: list[str], python: str | None = None) -> str:
+def job_entrypoint(stage: str, config_path: str, overrides: list[str], python: str | None = None,
+                   stage_flags: list[str] = ()) -> str:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; choose one of {sorted(STAGES)}")
     config = Path(config_path).resolve()
@@ -33,7 +35,7 @@ def job_entrypoint(stage: str, config_path: str, overrides: list[str], python: s
         config_arg = str(config.relative_to(REPO))  # inside the working_dir that travels with the job
     except ValueError:
         raise ValueError(f"config {config_path} must live inside the repository ({REPO}) to travel with the job") from None
-    parts = [python or sys.executable, "-m", f"jobs.{STAGES[stage]}", "-c", config_arg, *overrides]
+    parts = [python or sys.executable, "-m", f"jobs.{STAGES[stage]}", "-c", config_arg, *stage_flags, *overrides]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -64,7 +66,8 @@ def _submit_when_ready(submit: Any, wait_s: float = 120.0) -> str:
 
 
 def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None = None,
-               overrides: list[str] | None = None, no_wait: bool | None = False, timeout_s: float = 3600) -> dict[str, Any]:
+               overrides: list[str] | None = None, no_wait: bool | None = False, timeout_s: float = 3600,
+               stage_flags: list[str] | None = None) -> dict[str, Any]:
     """Submit, stream the logs until the job ends (unless ``no_wait``), return its status."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -72,7 +75,7 @@ def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None
     client = JobSubmissionClient(address)
     if config_path is None:
         raise ValueError("griffin submit needs the config file path (-c) to send with the job")
-    entrypoint = job_entrypoint(stage, config_path, overrides or [], cfg.cluster.python)
+    entrypoint = job_entrypoint(stage, config_path, overrides or [], cfg.cluster.python, stage_flags or [])
     job_id = _submit_when_ready(lambda: client.submit_job(
         entrypoint=entrypoint, runtime_env=runtime_env(cfg), entrypoint_num_gpus=cfg.cluster.driver_gpus or None,
         metadata={"griffin_stage": stage, "run_name": cfg.run_name}))

@@ -1,19 +1,17 @@
-"""Loading the run's target (real or tiny) and fingerprinting it for lineage checks.
+"""The tiny random target of the tests: ``build_tiny_target(fields, dtype)``.
 
-``load_target(cfg.target)`` is what every stage calls. A ``tiny`` section builds a seeded random
-llama with a byte-level ChatML tokenizer, so every process (featurize actors, train workers, serve
-replicas) gets bit-identical weights without any file or download.
+A ``target.tiny`` section (``pipeline.resources.load_target``) builds a seeded random llama with a
+byte-level ChatML tokenizer, so every process (featurize actors, train workers, serve replicas)
+gets bit-identical weights without any file or download.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 
-from griffin.target import TargetAdapter, resolve_dtype
-from pipeline.config import TargetSection
+from griffin.target import TargetAdapter
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -57,48 +55,3 @@ def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0)
     model = LlamaForCausalLM(config).to(dtype)
     torch.random.set_rng_state(generator_state)
     return TargetAdapter(model, tokenizer, name="tiny-llama")
-
-
-def load_target(section: TargetSection, decoding: bool = False) -> TargetAdapter:
-    """The run's target; ``decoding=True`` (serve, eval) also applies ``section.prepack``."""
-    dtype = resolve_dtype(section.dtype)
-    if section.tiny is not None:
-        target = build_tiny_target(section.tiny, dtype)
-        target.model.to(section.device)
-    else:
-        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=section.device)
-    if decoding and section.prepack:
-        target.prepack()
-    return target
-
-
-def _sha256_text(text: str | None) -> str:
-    return hashlib.sha256((text or "").encode()).hexdigest()
-
-
-def _weights_hash(target: TargetAdapter) -> str:
-    """sha256 over every tensor's name, shape, dtype and raw bytes (~0.5 s for a 135M model)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(target.model.state_dict().items()):
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def target_fingerprint(target: TargetAdapter) -> dict[str, Any]:
-    """What a feature store and a draft must agree on with the target they are used with."""
-    cached = getattr(target, "_fingerprint", None)
-    if cached is not None:
-        return cached
-    tokenizer = target.tokenizer
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    target._fingerprint = {
-        "target_id": target.name,
-        "target_weights_sha256": _weights_hash(target),
-        "tokenizer_sha256": _sha256_text(repr(sorted(vocab.items()))),
-        "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
-        "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size,
-        "architecture": target.hf_config.model_type,
-    }
-    return target._fingerprint

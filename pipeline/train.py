@@ -1,4 +1,4 @@
-"""Token-alignable training on Ray Train (METHOD.md §4; issue 4).
+"""Token-alignable training on Ray Train (docs/method.md §3).
 
 ``run_train(cfg)`` runs the schedule stage by stage (stage 1: one pass; stage j: j harmonized
 passes), each stage a ``TorchTrainer`` run named ``<run_name>-stage<j>`` under
@@ -16,21 +16,25 @@ import hashlib
 import json
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from griffin.config import TrainConfig
+from griffin.config import StagePlan
 from griffin.model import GriffinDraft
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
                               train_step)
-from griffin.weights import load_draft, save_draft
+from griffin.weights import load_draft, save_draft, tensors_sha256
 from pipeline.config import RunConfig, StageSection, config_from_dict
+from pipeline.console import Progress, say
 from pipeline.runtime import ensure_ray, setup_mlflow
 from pipeline.store import check_capture_key, part_files
-from pipeline.targets import load_target, target_fingerprint
+from pipeline.resources import check_lineage, load_target, resolve_draft, target_fingerprint
 from pipeline.train_data import eval_split, rank_rows, reduced_vocabulary, shifted_batches, split_rows
 
 SCORE = "eval/sim_accept_len"
@@ -40,12 +44,10 @@ def stage_dir(cfg: RunConfig, stage: int) -> Path:
     return cfg.run_dir / "train" / f"stage{stage}"
 
 
-def method_config(cfg: RunConfig, stage: StageSection) -> TrainConfig:
-    """The loss/optimizer config of one stage: variant and stage come from the run, not the YAML."""
-    update = {"variant": cfg.draft.variant, "stage": stage.stage, "lr": stage.lr or cfg.train.method.lr}
-    if "total_steps" not in cfg.train.method.model_fields_set:  # the linear decay spans the stage
-        update["total_steps"] = stage.steps
-    return cfg.train.method.model_copy(update=update)
+def stage_plan(cfg: RunConfig, stage: StageSection) -> StagePlan:
+    """What one stage runs per step: passes from the stage number, the loss and mask set from the
+    variant, the LR from the schedule, and an LR decay that spans the stage unless pinned."""
+    return StagePlan.for_stage(stage.stage, cfg.draft.variant, stage.steps, stage.lr, cfg.train.method.total_steps)
 
 
 # ---------------------------------------------------------------- worker side -------------
@@ -61,8 +63,7 @@ def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | N
 def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
-    weights = hashlib.sha256(b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                                      for p in draft.parameters())).hexdigest()  # ranks must agree (DDP)
+    weights = tensors_sha256(dict(draft.named_parameters()))  # ranks must agree (DDP)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                 "rows_consumed": rows, "rng": torch.get_rng_state(), "weights_sha256": weights},
                directory / f"train_state_rank{rank}.pt")
@@ -108,15 +109,15 @@ def train_worker(config: dict[str, Any]) -> None:
     from mlflow.tracking import MlflowClient
 
     cfg, stage = config_from_dict(config["run"]), StageSection(**config["stage"])
-    method = TrainConfig(**config["method"])  # resolved on the driver, where the YAML's own keys are known
+    method, plan = cfg.train.method, StagePlan(**config["plan"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     target = load_target(cfg.target)
     draft = _init_draft(cfg, target, config["init_dir"], config["d2t"]).to(device)
     model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
-    optimizer = make_optimizer(draft, method)
-    scheduler = make_scheduler(optimizer, method)
+    optimizer = make_optimizer(draft, method, plan)
+    scheduler = make_scheduler(optimizer, method, plan)
     step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
     files, eval_ids = config["files"], set(config["eval_ids"])
     rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed)
@@ -131,7 +132,7 @@ def train_worker(config: dict[str, Any]) -> None:
     while step < stage.steps:
         micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        metrics = train_step(model, draft, micro, optimizer, scheduler, method, bf16, generator)
+        metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator)
         step += 1
         rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
@@ -152,6 +153,7 @@ def train_worker(config: dict[str, Any]) -> None:
             print(f"[train stage {stage.stage}] step {step}/{stage.steps} loss {metrics['loss']:.4f} "
                   f"tok/s {rate:.0f} eta {eta:.0f}s" + (f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""),
                   flush=True)
+            _write_progress(Path(config["stage_dir"]), step, metrics["loss"], report.get(SCORE))
             client.log_batch(config["mlflow_run_id"], metrics=[
                 Metric(k, float(v), int(time.time() * 1000), step) for k, v in report.items()])
         if do_ckpt:
@@ -163,6 +165,45 @@ def train_worker(config: dict[str, Any]) -> None:
             ray.train.report(report)
 
 
+def _write_progress(out: Path, step: int, loss: float, score: float | None) -> None:
+    """Where the stage is, for the driver's console line (atomic: the driver reads it any time)."""
+    previous = _read_progress(out)
+    record = {"step": step, "loss": loss, "score": score if score is not None else previous.get("score")}
+    tmp = out / ".progress.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(out / "progress.json")
+
+
+def _read_progress(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "progress.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@contextmanager
+def _console_progress(out: Path, stage: StageSection, stages: int) -> Iterator[Progress]:
+    """While ``fit`` runs: the stage's console line, fed from the progress file rank 0 writes."""
+    progress = Progress(f"train stage {stage.stage}/{stages}", stage.steps, "steps",
+                        initial=_read_progress(out).get("step", 0))  # a resumed stage starts near there
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(2.0):
+            state = _read_progress(out)
+            if state:
+                score = f"  held-out {state['score']:.3f}" if state.get("score") is not None else ""
+                progress.update(state["step"], f"loss {state['loss']:.3f}{score}")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield progress
+    finally:
+        stop.set()
+        watcher.join()
+
+
 # ---------------------------------------------------------------- driver side -------------
 def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
@@ -171,18 +212,19 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     out = stage_dir(cfg, stage.stage)
     out.mkdir(parents=True, exist_ok=True)
     mlflow = setup_mlflow(cfg)
-    method = method_config(cfg, stage)
+    plan = stage_plan(cfg, stage)
     run_id_file = out / "mlflow_run_id"
     if not _run_exists(mlflow, run_id_file):  # reuse the MLflow run when an interrupted stage resumes
         with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}") as run:
             mlflow.log_params({"variant": cfg.draft.variant, "stage": stage.stage, "steps": stage.steps,
-                               "workers": cfg.train.num_workers, **method.model_dump()})
+                               "workers": cfg.train.num_workers, **cfg.train.method.model_dump(),
+                               **{f"plan.{k}": v for k, v in plan.model_dump().items()}})
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
             run_id_file.write_text(run.info.run_id)
     run_id = run_id_file.read_text().strip()
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "method": method.model_dump(mode="json"),
+        train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "plan": plan.model_dump(mode="json"),
                            "init_dir": init_dir, "d2t": d2t,
                            "files": part_files(cfg.store_path), "eval_ids": sorted(context["eval_ids"]),
                            "mlflow_run_id": run_id, "stage_dir": str(out.resolve()),
@@ -197,8 +239,11 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
                                                checkpoint_score_order="max"),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
     )
-    result = trainer.fit()
+    with _console_progress(out, stage, len(cfg.train.schedule)) as progress:
+        result = trainer.fit()
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
+    progress.update(stage.steps)
+    progress.close(f"best held-out {SCORE.split('/')[-1]} {best_metrics[SCORE]:.3f}")
     with best_checkpoint.as_directory() as directory:
         shutil.rmtree(out / "best", ignore_errors=True)
         shutil.copytree(Path(directory) / "draft", out / "best")
@@ -239,18 +284,18 @@ def _log_curves(mlflow, run_id: str, out: Path) -> None:
     client.log_artifact(run_id, str(out / "curves.png"))
 
 
-def _checked_init(cfg: RunConfig) -> str | None:
-    """``train.init_from``: a draft directory the first stage starts from (e.g. another run's stage-1
-    best, so that ablations of the later stages share one stage 1)."""
+def _checked_init(cfg: RunConfig, target) -> str | None:
+    """``train.init_from``: the draft the first stage starts from (e.g. another run's stage-1 best, so
+    that ablations of the later stages share one stage 1, or a shipped draft to fine-tune): any form
+    ``pipeline.resources`` resolves, trained for this target and of this run's variant."""
     if cfg.train.init_from is None:
         return None
-    config = Path(cfg.train.init_from) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"train.init_from={cfg.train.init_from!r} is not a draft directory (no config.json)")
-    variant = json.loads(config.read_text()).get("griffin", {}).get("variant")
+    draft_dir = resolve_draft(cfg.train.init_from, cfg)
+    check_lineage(draft_dir, target, cfg.train.init_from)
+    variant = json.loads((draft_dir / "config.json").read_text()).get("griffin", {}).get("variant")
     if variant != cfg.draft.variant:
         raise ValueError(f"train.init_from holds a {variant!r} draft but draft.variant={cfg.draft.variant!r}")
-    return str(Path(cfg.train.init_from).resolve())
+    return str(draft_dir)
 
 
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
@@ -270,11 +315,11 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
         "store": cfg.store_path,
         "algorithm": "griffin", "variant": cfg.draft.variant, "target": target_fingerprint(target),
         "feature_manifest_sha256": manifest_sha, "resolved_config": cfg.resolved()}}
-    summaries, init_dir = [], _checked_init(cfg)
+    summaries, init_dir = [], _checked_init(cfg, target)
     for item in schedule:
         done = stage_dir(cfg, item.stage) / "_complete.json"
         if done.exists():
-            print(f"[train] stage {item.stage} already complete: {done.parent / 'best'}")
+            say(f"[train] stage {item.stage} already complete: {done.parent / 'best'}")
         elif stage is None or item.stage == stage:
             _run_stage(cfg, item, init_dir, d2t if init_dir is None else None, context)
         elif stage is not None and item.stage < stage:

@@ -11,7 +11,7 @@ halves of the trade-off, in one process:
   round (medians over every round resist the noise of a shared machine).
 
 Expected tokens/s = tau / (median draft + median verify seconds per round); prefill is the same for
-every candidate and left out. A coordinate search starts at ``eval.tree`` and sweeps total_tokens,
+every candidate and left out. A coordinate search starts at the evaluation tree (``eval.tree`` or ``decode.tree``) and sweeps total_tokens,
 depth and top_k twice. The calibration prompts are the *last* questions of ``eval.datasets``; the
 evaluation takes the first ones, so it never scores the tree on the prompts that picked it.
 """
@@ -121,39 +121,37 @@ def coordinate_search(score: Callable[[TreeConfig], Candidate], start: TreeConfi
 
 def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torch.Tensor]:
     """First turns of the last ``count`` questions, spread over ``eval.datasets``."""
-    from pipeline.evaluate import load_questions, resolve_dataset
+    from pipeline.resources import load_questions
     from pipeline.openai_api import render_chat
 
     per_dataset = max(1, -(-count // len(cfg.eval.datasets)))
     prompts = []
     for name in cfg.eval.datasets:
-        for question in load_questions(resolve_dataset(name))[-per_dataset:]:
+        for question in load_questions(name)[-per_dataset:]:
             prompts.append(torch.tensor([render_chat(tokenizer, [{"role": "user", "content": question["turns"][0]}])]))
     return prompts[:count]
 
 
 def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int = 4, max_new_tokens: int = 64) -> dict[str, Any]:
     """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides."""
-    from pipeline.evaluate import _load_draft
-    from pipeline.targets import load_target
+    from pipeline.resources import draft_for_run, load_target
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     target = load_target(cfg.target, decoding=True)
-    draft_model, draft_uri = _load_draft(cfg, target, draft)
+    draft_model, draft_uri = draft_for_run(cfg, target, draft)
     calibration = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, prompts)]
     curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
-    speculative_generate(target, draft_model, calibration[0], cfg.eval.tree, GREEDY, 8)  # warm-up
+    speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
     best, ranked = coordinate_search(lambda tree: measure_tree(target, draft_model, calibration, tree, max_new_tokens),
-                                     cfg.eval.tree)
+                                     cfg.eval_tree)
     vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
     result = {"draft": draft_uri, "target": target.name, "prepacked": target.packed,
               "calibration": {"prompts": len(calibration), "max_new_tokens": max_new_tokens},
-              "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla, "start": cfg.eval.tree.model_dump(),
+              "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla, "start": cfg.eval_tree.model_dump(),
               "best": asdict(best), "expected_speedup": best.tokens_per_s / vanilla,
               "candidates": [asdict(c) for c in ranked],
-              "overrides": [f"{section}.tree.{name}={getattr(best, name)}" for section in ("eval", "serve")
-                            for name in ("total_tokens", "depth", "top_k")]}
+              "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")]}
     out = cfg.run_dir / "tune_tree"
     write_tune_report(out, result)
     print(f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,35 @@ from griffin.target import TargetAdapter
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+# Nothing outside the checkout: this process and every Python process the tests start (Ray workers,
+# `griffin` subprocesses, Serve replicas) log any file they open beside the checkout; the session
+# fails if one did (tests/audit/sitecustomize.py).
+REPO = Path(__file__).resolve().parents[1]
+AUDIT = Path(__file__).resolve().parent / "audit"
+os.environ["GRIFFIN_AUDIT_REPO"] = str(REPO)
+os.environ.setdefault("GRIFFIN_AUDIT_LOG", str(Path(tempfile.mkdtemp(prefix="griffin-audit-")) / "outside.log"))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(AUDIT), os.environ.get("PYTHONPATH")) if p)
+sys.path.insert(0, str(AUDIT))
+import sitecustomize as _audit  # noqa: E402  (this process: the hook installs on import)
+
+if getattr(_audit, "_hook", None) is None:  # another sitecustomize was imported first: install ours
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("griffin_audit", AUDIT / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def opened_outside_checkout() -> list[str]:
+    log = Path(os.environ["GRIFFIN_AUDIT_LOG"])
+    return log.read_text().splitlines() if log.is_file() else []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    outside = opened_outside_checkout()
+    if outside:
+        print("\nfiles opened beside the checkout (the project must carry what it reads):\n  " + "\n  ".join(outside[:20]))
+        session.exitstatus = 1
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)

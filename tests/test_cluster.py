@@ -1,6 +1,7 @@
 """A multi-node rehearsal on one machine: a head and a second node started with `ray start`, each with
 its own resources and a custom label; featurize and train go in with `griffin submit` (ray job
-submit) and must place their actors and workers on both nodes."""
+submit) and must place their actors and workers on both nodes; a stage's flags (`--stage 2`) travel
+with the job."""
 
 import json
 import os
@@ -106,3 +107,12 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
              for line in (tmp_path / "cluster" / "train" / "stage1" / f"data_rank{r}.jsonl").read_text().splitlines()}
     assert len(nodes) == 2
     assert (tmp_path / "cluster" / "train" / "best" / "model.safetensors").exists()
+
+    # a stage's own flags travel with the job: stage 1 is done, `--stage 2` trains only stage 2 from it
+    two_stages = "train.schedule=[{stage: 1, steps: 3}, {stage: 2, steps: 2}]"
+    second = submit("train", two_node_cluster, tmp_path, "--stage", "2", "train.num_workers=2",
+                    "train.resources={griffin_slot: 1}", two_stages, "train.checkpoint_every=2")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "jobs.train -c jobs/configs/tiny.yaml --stage 2" in second.stdout
+    assert "stage 1 already complete" in second.stdout
+    assert (tmp_path / "cluster" / "train" / "stage2" / "_complete.json").exists()

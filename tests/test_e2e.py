@@ -24,8 +24,7 @@ def griffin(*args, timeout=600, **kwargs):
 
 
 def overrides(tmp_path, name):
-    return [f"output_dir={tmp_path}", f"run_name={name}", f"serve.port={free_port()}", "train.method.lr=0.003",
-            "train.method.warmup_steps=0"]
+    return [f"output_dir={tmp_path}", f"run_name={name}", f"serve.port={free_port()}"]
 
 
 @pytest.mark.timeout(900)
@@ -67,7 +66,7 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
 def test_interrupted_run_resumes_without_duplicates(tmp_path):
     """Kill `griffin run` once training has checkpointed; the rerun finishes from there."""
     args = ["run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "kill"),
-            "train.schedule=[{stage: 1, steps: 8}]", "train.checkpoint_every=2",
+            "train.schedule=[{stage: 1, steps: 8, lr: 0.003}]", "train.checkpoint_every=2",
             "eval.through_serve=false", "eval.num_questions=1", "eval.max_new_tokens=4"]  # Serve: the other test
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen([*GRIFFIN, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,

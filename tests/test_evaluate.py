@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from griffin.model import GriffinDraft
-from griffin.weights import save_draft
 from pipeline.config import load_config
-from pipeline.evaluate import load_questions, resolve_dataset, run_eval
+from pipeline.evaluate import run_eval
 from pipeline.report import _acceptance
-from pipeline.targets import load_target
+from pipeline.resources import load_target, save_draft
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 QUESTIONS = [
@@ -19,21 +18,6 @@ QUESTIONS = [
     {"question_id": 2, "category": "code", "turns": ["def add(a, b):"]},
     {"question_id": 3, "category": "math", "turns": ["What is 2 + 2?"]},
 ]
-
-
-def test_resolve_dataset(tmp_path):
-    """Names map to the shared question sets; other values are paths and must exist."""
-    assert resolve_dataset("mt_bench").name == "mt_bench.jsonl"
-    assert len(load_questions(resolve_dataset("humaneval"), 5)) == 5
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        resolve_dataset(str(tmp_path / "nope.jsonl"))
-
-
-def test_load_questions_rejects_bad_rows(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl:1: 'turns'"):
-        load_questions(path)
 
 
 def test_acceptance_metrics():
@@ -51,8 +35,8 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])
     target = load_target(cfg.target)
     torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft")
-    eagle_dir = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle")
+    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
+    eagle_dir = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
     assistant_dir = tmp_path / "assistant"  # the same tiny model saved, standing in for a smaller one
     target.model.save_pretrained(assistant_dir)
     target.tokenizer.save_pretrained(assistant_dir)
@@ -73,7 +57,7 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
         assert (eval_dir / name).stat().st_size > 0, name
     report = json.loads((eval_dir / "report.json").read_text())
     assert "bonus token included" in report["definitions"]["tau"]
-    assert len(report["results"]["three/T0"]["methods"]["griffin"]["per_position_acceptance"]) == cfg.eval.tree.depth
+    assert len(report["results"]["three/T0"]["methods"]["griffin"]["per_position_acceptance"]) == cfg.eval_tree.depth
     generations = [json.loads(line) for line in (eval_dir / "generations.jsonl").read_text().splitlines()]
     assert len(generations) == 2 * 4 * len(methods)  # T x (2 + 1 + 1 turns) x methods
     assert "| hf_prompt_lookup |" in (eval_dir / "report.md").read_text()

@@ -14,7 +14,7 @@ from pipeline import store as st
 from pipeline.config import load_config
 from pipeline.featurize import FAULT_ENV, Featurizer, run_featurize
 from pipeline.sources import Conversation, build_sample, clean_messages, record_id
-from pipeline.targets import load_target, target_fingerprint
+from pipeline.resources import load_target, target_fingerprint
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
 
@@ -134,6 +134,21 @@ def test_kill_and_resume_gives_every_sample_once(featurized):
     ids = [row["sample_id"] for row in st.iter_rows(st.part_files(cfg.store_path))]
     assert len(ids) == len(set(ids)) == 14
     assert not list(Path(cfg.store_path).glob(".part-*")) and st.verify_store(cfg.store_path) == []
+
+
+def test_save_to_disk_source_resumes_the_jsonl_store(featurized, tmp_path):
+    """The JSONL's conversations plus one new, as a datasets save_to_disk directory, over a copy of
+    the store: same sample ids from either reader, so only the new conversation is featurized."""
+    import datasets
+
+    cfg, _, _ = featurized
+    source = tmp_path / "saved"
+    datasets.Dataset.from_list([conversation(i) for i in range(15)]).save_to_disk(str(source))
+    resumed = config(tmp_path, source)
+    shutil.copytree(cfg.store_path, resumed.store_path)
+    summary = run_featurize(resumed)
+    assert summary["complete"] and summary["rows"] == 15 and summary["new_rows"] == 1 and summary["skipped"] == {}
+    assert set(stored_rows(resumed.store_path)) == {record_id(conversation(i)) for i in range(15)}
 
 
 def test_other_capture_key_is_refused(featurized, data):

@@ -173,8 +173,8 @@ def _check_ray_cluster(name: str, cluster: dict, manifests) -> dict:
     for pod in _pod_specs({"spec": cluster}):
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
-        assert "/mnt/shared" in mounts, f"{name}: a pod lacks the shared volume at /mnt/shared"
-        claim = volumes[mounts["/mnt/shared"]]["persistentVolumeClaim"]["claimName"]
+        assert "/mnt/griffin" in mounts, f"{name}: a pod lacks the shared volume at /mnt/griffin"
+        claim = volumes[mounts["/mnt/griffin"]]["persistentVolumeClaim"]["claimName"]
         assert claim in claims, f"{name}: PVC {claim} is defined nowhere in infra/"
     pvc = next(p for p in _kind(manifests, "PersistentVolumeClaim"))
     assert "ReadWriteMany" in pvc["spec"]["accessModes"], "the shared volume must be mountable by every pod"
@@ -225,7 +225,7 @@ def test_rayjob_runs_a_real_stage_module_with_a_real_config(stage, docs, manifes
         assert spec.get("entrypointNumGpus", 0) == 0
     env = _runtime_env(spec["runtimeEnvYAML"])
     working_dir = urlparse(env["working_dir"])
-    assert working_dir.scheme == "local" and working_dir.path.startswith("/mnt/shared/"), env["working_dir"]
+    assert working_dir.scheme == "local" and working_dir.path.startswith("/mnt/griffin/"), env["working_dir"]
 
 
 def _all_runtime_envs(docs) -> dict[str, dict]:
@@ -254,7 +254,7 @@ def test_runtime_envs_pin_what_the_config_and_constraints_pin(docs, cfg):
 
 
 def test_gpu_config_puts_every_path_on_the_shared_volume(cfg):
-    shared = "/mnt/shared/"
+    shared = "/mnt/griffin/"
     paths = [cfg.output_dir, cfg.store_path, cfg.data.source, *cfg.eval.datasets,
              *cfg.cluster.runtime_env["env_vars"].values()]
     local = [p for p in paths if p.startswith("/") and not p.startswith(shared)]
@@ -306,7 +306,7 @@ def test_launcher_yaml_matches_rays_schema(docs):
     assert any({"-c", "constraints.txt"} <= set(a) and a[-2:] == ["-e", "."] for a in installs), installs
     assert (REPO / "constraints.txt").is_file()
     assert "." in launcher["file_mounts"].values(), "the repository must be copied to the nodes"
-    assert "-v /mnt/shared:/mnt/shared" in docker["run_options"], "the shared filesystem must reach the containers"
+    assert "-v /mnt/griffin:/mnt/griffin" in docker["run_options"], "the shared filesystem must reach the containers"
 
 
 # ---- MLflow -----------------------------------------------------------------------------------

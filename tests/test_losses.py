@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from griffin.config import TrainConfig
+from griffin.config import StagePlan, TrainConfig
 from griffin.losses import alignment_hits, alignment_mask, next_alignment, shift_batch, token_alignable_step
 from griffin.model import GriffinDraft
 from tests.conftest import make_target
@@ -29,7 +29,7 @@ def test_alignment_hits_hand_example():
 
 
 def test_cumulative_masks_both_conventions():
-    """Hand-computed: hits of pass 1 and 2 -> masks for passes 2 and 3 (METHOD.md §4.3 (B))."""
+    """Hand-computed: hits of pass 1 and 2 -> masks for passes 2 and 3 (docs/method.md §3.3)."""
     hits1, hits2 = torch.tensor([[1., 0, 1, 1, 0]]), torch.tensor([[1., 1, 0, 1, 0]])
     cum1 = next_alignment(hits1, None)
     cum2 = next_alignment(hits2, cum1)  # hits2 * shift_right(cum1) = [1,1,0,1,0] * [0,1,0,1,1]
@@ -54,13 +54,13 @@ def test_losses_decrease_when_overfitting_one_batch(variant, stage):
     torch.manual_seed(0)
     target = make_target("llama")
     draft = GriffinDraft.for_target(target, variant=variant)
-    cfg = TrainConfig(variant=variant, stage=stage, noise_scale=0.0)
+    cfg, plan = TrainConfig(noise_scale=0.0), StagePlan.for_stage(stage, variant, steps=25)
     batch = tiny_batch(target)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     losses, kept = [], []
     for _ in range(25):
         opt.zero_grad()
-        metrics = token_alignable_step(draft, batch, cfg)
+        metrics = token_alignable_step(draft, batch, cfg, plan)
         opt.step()
         # pass 1 always trains on the same positions; later passes' masks grow as the draft learns
         losses.append(metrics["loss_1"])
@@ -73,12 +73,12 @@ def test_per_pass_backward_sums_gradients():
     """The step's gradient == the sum of each pass's gradient taken on its own."""
     target = make_target("llama")
     draft = GriffinDraft.for_target(target)
-    batch, cfg = tiny_batch(target, T=10), TrainConfig(stage=2, noise_scale=0.0)
-    token_alignable_step(draft, batch, cfg)
+    batch, cfg, plan = tiny_batch(target, T=10), TrainConfig(noise_scale=0.0), StagePlan.for_stage(2, "griffin", steps=1)
+    token_alignable_step(draft, batch, cfg, plan)
     total = draft.fusion.fc.weight.grad.clone()
     assert total.abs().sum() > 0
     draft.zero_grad()
-    m = token_alignable_step(draft, batch, TrainConfig(stage=2, noise_scale=0.0), backward=False)
+    m = token_alignable_step(draft, batch, cfg, plan, backward=False)
     assert m["loss"] == pytest.approx((m["loss_1"] + m["loss_2"]) / 2)
     assert draft.fusion.fc.weight.grad is None
 
@@ -88,6 +88,6 @@ def test_alignment_mask_only_for_griffin():
     batch = tiny_batch(target)
     for variant, shrinks in (("griffin", True), ("hass", False)):
         draft = GriffinDraft.for_target(target, variant=variant)
-        m = token_alignable_step(draft, batch, TrainConfig(variant=variant, stage=3), backward=False)
+        m = token_alignable_step(draft, batch, TrainConfig(), StagePlan.for_stage(3, variant, steps=1), backward=False)
         assert m["mask_kept_1"] == 1.0
         assert (m["mask_kept_3"] < 0.5) if shrinks else (m["mask_kept_3"] == 1.0)

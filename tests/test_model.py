@@ -31,7 +31,7 @@ def test_cached_step_equals_uncached_forward(target, variant):
 
 
 def test_harmonized_mask_hand_built():
-    """T=4, pass 3: row r sees stream0 cols <= r-2, stream1 col r-1, stream2 col r (METHOD.md §4.3.1)."""
+    """T=4, pass 3: row r sees stream0 cols <= r-2, stream1 col r-1, stream2 col r (docs/method.md §3.2)."""
     m = harmonized_mask(4, 3).int()
     expected = torch.tensor([
         # stream 0     stream 1      stream 2

@@ -16,7 +16,9 @@ from griffin.model import GriffinDraft
 from griffin.weights import save_draft
 from pipeline import registry
 from pipeline.config import load_config
-from pipeline.targets import build_tiny_target, load_target, target_fingerprint
+from pipeline import resources
+from pipeline.resources import load_target, target_fingerprint
+from pipeline.targets import build_tiny_target
 from tests.conftest import free_port, make_target
 
 
@@ -59,10 +61,10 @@ def test_register_alias_load(store, target, tmp_path):
     (tmp_path / "d" / "train_state.pt").write_bytes(b"optimizer state: not part of the model")
     info = registry.register(cfg, tmp_path / "d")
     assert info["created"] and info["version"] == 1 and info["aliases"] == ["candidate"]
-    resolved = registry.resolve_draft_uri("models:/load-test@candidate", cfg)
+    resolved = resources.resolve_draft("models:/load-test@candidate", cfg)
     assert sorted(p.name for p in resolved.iterdir()) == ["config.json", "model.safetensors"]
     for uri in ("models:/load-test@candidate", "models:/load-test/1", f"runs:/{info['run_id']}/draft"):
-        loaded = registry.load_registered_draft(uri, target, cfg)
+        loaded = resources.load_draft(uri, target, cfg)
         assert torch.equal(logits(loaded), logits(draft)), uri
     import mlflow
 
@@ -137,17 +139,30 @@ def test_promotion_gate(store, target, tmp_path):
 
 
 def test_wrong_target_refused(store, target, tmp_path):
-    """Same shape, other weights: refused by the weights hash; other vocab: by the vocab size."""
+    """Same shape, other weights: refused by the weights hash; other vocab: by the vocab size;
+    another tokenizer or chat template: by their hashes. Registered and directory drafts alike."""
     cfg = make_cfg(store, "registry.model_name=lineage-refuse")
     make_draft(cfg, target, tmp_path / "d")
     registry.register(cfg, tmp_path / "d")
     other = build_tiny_target(dict(cfg.target.tiny), torch.float32, seed=1)
     with pytest.raises(ValueError, match="target weights sha256"):
-        registry.load_registered_draft("models:/lineage-refuse@candidate", other, cfg)
+        resources.load_draft("models:/lineage-refuse@candidate", other, cfg)
+    with pytest.raises(ValueError, match="target weights sha256"):
+        resources.load_draft(tmp_path / "d", other, cfg)
     with pytest.raises(ValueError, match="vocab size"):
-        registry.load_registered_draft(tmp_path / "d", make_target("llama"), cfg)
+        resources.load_draft(tmp_path / "d", make_target("llama"), cfg)
     with pytest.raises(ValueError, match="cannot resolve"):
-        registry.load_registered_draft("models:/lineage-refuse@champion", target, cfg)
+        resources.load_draft("models:/lineage-refuse@champion", target, cfg)
+    target.tokenizer.chat_template += "{# another template #}"
+    target._fingerprint = None  # the fingerprint is computed once per target object
+    try:
+        for uri in ("models:/lineage-refuse@candidate", tmp_path / "d"):
+            with pytest.raises(ValueError, match="chat template sha256") as refused:
+                resources.load_draft(uri, target, cfg)
+            assert "tokenizer" not in str(refused.value) and "target weights" not in str(refused.value)
+    finally:
+        target.tokenizer.chat_template = target.tokenizer.chat_template.removesuffix("{# another template #}")
+        target._fingerprint = None
 
 
 def test_export_and_ui_commands(store, target, tmp_path, capsys):
@@ -201,6 +216,6 @@ def test_remote_server(mlflow_server, target, tmp_path):
     info = registry.register(cfg, tmp_path / "d")
     assert info["created"] and info["aliases"] == ["candidate"]
     assert registry.promote(cfg, info["version"], 1.5)["promoted"]
-    loaded = registry.load_registered_draft(f"models:/{cfg.model_name}@champion", target, cfg)
+    loaded = resources.load_draft(f"models:/{cfg.model_name}@champion", target, cfg)
     assert torch.equal(logits(loaded), logits(draft))
     assert registry.register(cfg, tmp_path / "d")["created"] is False

@@ -17,10 +17,10 @@ from tests.conftest import free_port
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, GenerationStats, vanilla_generate
 from griffin.model import GriffinDraft
-from griffin.weights import save_draft
 from pipeline.config import load_config
 from pipeline.openai_api import TextStream, completion_text, render_chat, sse_stream
-from pipeline.targets import load_target, tiny_tokenizer
+from pipeline.resources import load_target, save_draft
+from pipeline.targets import tiny_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 CHAT = "/v1/chat/completions"
@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     target = load_target(load_config(TINY, [f"output_dir={tmp}"]).target)
     torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft")
+    draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft", target)
     cfg = load_config(TINY, [f"output_dir={tmp}", f"serve.draft_uri={draft_dir}", f"serve.port={free_port()}",
                              "cluster.num_cpus=2", "serve.max_ongoing_requests=8"])
     url = start_serve(cfg)

@@ -1,12 +1,14 @@
 """pipeline.sources: reading conversation sources, cleaning, selection, templating and loss masks."""
 
 import json
+import socket
 
+import datasets
 import numpy as np
 import pytest
 
 from pipeline.config import DataSection
-from pipeline.sources import Conversation, Ledger, SkipSample, build_sample, load_conversations
+from pipeline.sources import Conversation, Ledger, SkipSample, build_sample, load_conversations, record_id
 from pipeline.targets import tiny_tokenizer
 
 TWO_TURNS = ({"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
@@ -20,6 +22,38 @@ def sharegpt(*turns):
 def write_jsonl(path, lines):
     path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     return path
+
+
+def openai(*turns):
+    return {"messages": [{"role": who, "content": text} for who, text in turns]}
+
+
+# Keys that only some records or turns have, so datasets' unified schema fills the rest with nulls;
+# the last record of each has no reply (a ledger entry).
+RECORDS = {
+    "sharegpt": [{"id": "r0", **sharegpt(("human", "q0"), ("gpt", "a0"))},
+                 sharegpt(("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2")),
+                 {"conversations": [{"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3", "markdown": "*"}]},
+                 sharegpt(("human", "unanswered"))],
+    "openai": [openai(("system", "Be brief."), ("user", "q0"), ("assistant", "a0")),
+               {"messages": [{"role": "user", "content": "q1", "name": "ann"}, {"role": "assistant", "content": "a1"}]},
+               openai(("user", "q2"), ("assistant", "a2"), ("user", "q3"), ("assistant", "a3")),
+               openai(("user", "unanswered"))],
+}
+
+
+def write_forms(root, records):
+    """The records as JSONL (written here: the reference), and through datasets as JSONL, Parquet,
+    a Dataset directory and the "train_sft" split of a DatasetDict directory -> {form: (source, split)}."""
+    dataset = datasets.Dataset.from_list(records)
+    dataset.to_json(root / "datasets.jsonl")
+    dataset.to_parquet(root / "records.parquet")
+    dataset.save_to_disk(root / "saved")
+    other = datasets.Dataset.from_list(records[:1])
+    datasets.DatasetDict(train_sft=dataset, test_sft=other).save_to_disk(root / "saved_dict")
+    return {"jsonl": (write_jsonl(root / "records.jsonl", records), "train"),
+            "datasets_jsonl": (root / "datasets.jsonl", "train"), "parquet": (root / "records.parquet", "train"),
+            "saved": (root / "saved", "train"), "saved_dict": (root / "saved_dict", "train_sft")}
 
 
 def masked_runs(tokenizer, sample):
@@ -74,6 +108,73 @@ def test_bad_jsonl_lines_go_to_the_ledger_with_file_and_line(tmp_path):
 def test_missing_source_names_the_file_and_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data.source '.*nowhere.jsonl': no such file; use 'sharegpt'"):
         load_conversations(DataSection(source=str(tmp_path / "nowhere.jsonl")), Ledger())
+
+
+def where_of(form, source, count):
+    """Where the records of a form say they came from: file:line or path#index."""
+    if form.endswith("jsonl"):
+        return [f"{source}:{line}" for line in range(1, count + 1)]
+    return [f"{source}/train_sft#{i}" if form == "saved_dict" else f"{source}#{i}" for i in range(count)]
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt", "openai"])
+def test_every_form_loads_the_same_conversations(tmp_path, fmt):
+    """JSONL, Parquet and save_to_disk directories: the same conversations, sample ids and ledger,
+    though datasets adds a null for every key a record lacks."""
+    records = RECORDS[fmt]
+    loaded = {}
+    for form, (source, split) in write_forms(tmp_path, records).items():
+        ledger = Ledger()
+        got = load_conversations(DataSection(source=str(source), split=split, format=fmt, shuffle_seed=None), ledger)
+        loaded[form] = [(c.sample_id, c.messages) for c in got], [(e["sample_id"], e["reason"]) for e in ledger.entries]
+        assert [c.where for c in got] + [e["where"] for e in ledger.entries] == where_of(form, source, len(records))
+    ids = [record_id(r) for r in records]
+    assert [sample_id for sample_id, _ in loaded["jsonl"][0]] == ids[:3]
+    assert loaded["jsonl"][1] == [(ids[3], "no_assistant_turn")]
+    assert all(value == loaded["jsonl"] for value in loaded.values()), loaded
+    replies = [m["content"] for _, messages in loaded["saved_dict"][0] for m in messages if m["role"] == "assistant"]
+    assert replies == ["a0", "a1", "a2", "a3"]
+
+
+def test_jsonl_and_parquet_give_identical_sample_ids(tmp_path):
+    """A null key hashes like a missing one: the Parquet schema gives every row "id" and "markdown"."""
+    records = RECORDS["sharegpt"][:3]
+    jsonl = write_jsonl(tmp_path / "r.jsonl", records)
+    datasets.Dataset.from_list(records).to_parquet(tmp_path / "r.parquet")
+    pick = lambda path: [c.sample_id for c in load_conversations(DataSection(source=str(path)), Ledger())]  # noqa: E731
+    assert pick(jsonl) == pick(tmp_path / "r.parquet") and len(set(pick(jsonl))) == 3
+    assert record_id({"a": 1, "b": None, "c": [{"d": None}]}) == record_id({"a": 1, "c": [{}]})
+
+
+def test_local_forms_never_touch_the_network(tmp_path, monkeypatch):
+    forms = write_forms(tmp_path, RECORDS["sharegpt"])
+    lookups = []
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kw: lookups.append(args[0]) or [])
+    for source, split in forms.values():
+        assert len(load_conversations(DataSection(source=str(source), split=split), Ledger())) == 3
+    assert lookups == []
+
+
+def test_bad_sources_name_data_source_and_the_fix(tmp_path, monkeypatch):
+    """No traceback from inside datasets: one error naming data.source (or data.split) and the fix."""
+    def fails(exception, pattern, source, **kw):
+        with pytest.raises(exception, match=pattern) as error:
+            load_conversations(DataSection(source=str(source), **kw), Ledger())
+        assert error.value.__cause__ is None and error.value.__suppress_context__ or error.value.__context__ is None
+
+    missing = "data/nowhere.parquet"  # org/name-like, but a file name: no hub id
+    fails(FileNotFoundError, rf"data.source '{missing}': no such file; use 'sharegpt'", missing)
+    (tmp_path / "t.csv").write_text("role,content\nuser,hi\n")
+    fails(ValueError, r"data.source '.*t.csv': unknown format .*convert it", tmp_path / "t.csv")
+    (tmp_path / "fake.parquet").write_bytes(b"PAR1 but nothing else")
+    fails(ValueError, r"data.source '.*fake.parquet': not a readable Parquet file", tmp_path / "fake.parquet")
+    fails(FileNotFoundError, r"data.source '.*' is a directory but not one written by datasets' save_to_disk", tmp_path)
+    write_forms(tmp_path, RECORDS["openai"])
+    fails(ValueError, r"data.split 'train' is not a split of data.source '.*saved_dict'; set data.split to one of "
+          r"\['test_sft', 'train_sft'\]", tmp_path / "saved_dict")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # fails at once instead of retrying for 20 s
+    fails(FileNotFoundError, r"data.source 'HuggingFaceH4/ultrachat_200k': could not open the HF dataset .*when "
+          r"offline, save it .*save_to_disk\(DIR\)", "HuggingFaceH4/ultrachat_200k", split="train_sft")
 
 
 def test_cleaning_rules(tmp_path):

@@ -34,7 +34,7 @@ def train_cfg(store, name, *overrides):
     root, data, store_path = store
     return load_config("jobs/configs/tiny.yaml", [
         f"output_dir={root}", f"run_name={name}", f"data.source={data}", f"features.store={store_path}",
-        "train.num_workers=2", "train.method.lr=0.002", "train.method.warmup_steps=0", "train.eval_fraction=0.2",
+        "train.num_workers=2", "train.method.warmup_steps=0", "train.eval_fraction=0.2",
         "train.checkpoint_every=2", "train.eval_every=2", "train.batch_tokens=512", *overrides])
 
 
@@ -52,7 +52,7 @@ def last_states(cfg, stage):
 def schedule_run(store):
     """One 3-stage run, shared: its stage 1 (4 steps, its own LR decay) is also the uninterrupted
     reference of the resume test."""
-    cfg = train_cfg(store, "sched", "train.schedule=[{stage: 1, steps: 4}, {stage: 2, steps: 2}, {stage: 3, steps: 2}]")
+    cfg = train_cfg(store, "sched", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}, {stage: 2, steps: 2, lr: 0.002}, {stage: 3, steps: 2, lr: 0.002}]")
     return cfg, run_train(cfg)
 
 
@@ -92,7 +92,7 @@ def test_resume_after_crash_gives_identical_weights(store, schedule_run):
     FailureConfig, and a run that fails outright and is rerun, all end with bit-identical weights."""
     from ray.train.v2.api.exceptions import TrainingFailedError
 
-    schedule = "train.schedule=[{stage: 1, steps: 4}]"
+    schedule = "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]"
     clean, _ = schedule_run
     restarted = train_cfg(store, "restarted", schedule, "train.debug_fail_at_step=3", "train.max_failures=1")
     run_train(restarted)
@@ -124,31 +124,49 @@ def test_bad_configs_fail_clearly(store, tmp_path):
         run_train(train_cfg(store, "x"), stage=7)
 
 
-def test_init_from_must_be_a_draft_of_the_same_variant(tmp_path):
+def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
     from griffin.model import GriffinDraft
-    from griffin.weights import save_draft
-    from pipeline.targets import load_target
+    from pipeline.resources import load_target, save_draft
     from pipeline.train import _checked_init
 
     cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
-    with pytest.raises(FileNotFoundError, match="not a draft directory"):
-        _checked_init(cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(tmp_path)})}))
-    eagle = save_draft(GriffinDraft.for_target(load_target(cfg.target), variant="eagle"), tmp_path / "eagle")
+    target = load_target(cfg.target)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        _checked_init(cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(tmp_path)})}), target)
+    eagle = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
     bad = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}"])
     with pytest.raises(ValueError, match="'eagle' draft but draft.variant='griffin'"):
-        _checked_init(bad)
+        _checked_init(bad, target)
     good = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}",
                                                   "draft.variant=eagle"])
-    assert _checked_init(good) == str(Path(eagle).resolve())
+    assert _checked_init(good, target) == str(Path(eagle).resolve())
+    other = load_target(load_config("jobs/configs/tiny.yaml", ["target.tiny.num_hidden_layers=1"]).target)
+    with pytest.raises(ValueError, match="target weights sha256"):
+        _checked_init(good, other)
 
 
 def test_stage_lr_decay_spans_the_stage_unless_total_steps_is_set(tmp_path):
-    """The worker gets the driver's resolved method config: the linear decay ends with the stage
-    (total_steps = stage steps) unless the YAML sets total_steps itself."""
-    from pipeline.train import method_config
+    """The worker gets the driver's stage plan: the linear decay ends with the stage (total_steps =
+    stage steps) unless the YAML sets total_steps itself; the LR has one home, the schedule."""
+    from pipeline.train import stage_plan
 
     cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
     stages = cfg.train.schedule
-    assert [method_config(cfg, s).total_steps for s in stages] == [s.steps for s in stages]
+    assert [stage_plan(cfg, s).total_steps for s in stages] == [s.steps for s in stages]
+    assert [stage_plan(cfg, s).lr for s in stages] == [s.lr for s in stages]
     pinned = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", "train.method.total_steps=800000"])
-    assert method_config(pinned, stages[0]).total_steps == 800000
+    assert stage_plan(pinned, stages[0]).total_steps == 800000
+
+
+@pytest.mark.parametrize("key", ["train.method.variant=hass", "train.method.stage=2", "train.method.lr=0.001"])
+def test_keys_that_would_do_nothing_are_errors(key):
+    """variant, stage and lr live in draft.variant and train.schedule: in train.method they are refused."""
+    with pytest.raises(ValueError, match="unknown key"):
+        load_config("jobs/configs/tiny.yaml", [key])
+
+
+def test_stage_lr_defaults_follow_the_official_recipe():
+    from griffin.config import StagePlan
+
+    assert [StagePlan.for_stage(j, "griffin", steps=10).lr for j in (1, 2, 3)] == [5e-5, 3e-5, 3e-5]
+    assert StagePlan.for_stage(2, "hass", steps=10).alignment_mask is False

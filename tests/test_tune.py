@@ -7,10 +7,9 @@ import torch
 
 from griffin.config import TreeConfig
 from griffin.model import GriffinDraft
-from griffin.weights import save_draft
 from pipeline.cli import main
 from pipeline.config import load_config
-from pipeline.targets import load_target
+from pipeline.resources import load_target, save_draft
 from pipeline.tune import Candidate, coordinate_search, verify_cost_curve
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
@@ -42,12 +41,13 @@ def test_verify_cost_curve_leaves_the_cache_at_the_prefix():
 def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])
     torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(load_target(cfg.target)), tmp_path / "draft")
+    target = load_target(cfg.target)
+    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
     code = main(["tune-tree", "-c", str(TINY), f"output_dir={tmp_path}", "--draft", str(draft_dir),
                  "--prompts", "2", "--max-new-tokens", "6", "eval.datasets=[mt_bench]"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "best tree:" in printed and "eval.tree.total_tokens=" in printed
+    assert "best tree:" in printed and "decode.tree.total_tokens=" in printed
     report = json.loads((tmp_path / cfg.run_name / "tune_tree" / "tune_tree.json").read_text())
     best = report["best"]
     assert best == max(report["candidates"], key=lambda c: c["tokens_per_s"])

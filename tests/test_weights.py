@@ -1,4 +1,4 @@
-"""griffin.weights: strict save/load, export maps (METHOD.md §2.4) and their round trips."""
+"""griffin.weights: strict save/load, export maps (docs/method.md §2.5) and their round trips."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_reduced_vocab_round_trip(target, tmp_path):
     (dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, vocab_size=49152), 8_186_112),
 ])
 def test_parameter_count(shape, trainable):
-    """METHOD.md §2.4 (LLaMA2-7B) and §8 (SmolLM2, MHA) trainable counts; built on meta."""
+    """docs/method.md §2.5 (LLaMA2-7B and SmolLM2, MHA) trainable counts; built on meta."""
     cfg = DraftConfig(num_key_value_heads=shape["num_attention_heads"], **shape)
     with torch.device("meta"):
         frozen = torch.empty(shape["vocab_size"], shape["hidden_size"])
@@ -100,7 +100,7 @@ def test_parameter_count(shape, trainable):
 
 
 def upstream_table(H: int, I: int, V: int, griffin: bool = True) -> dict[str, tuple[int, ...]]:
-    """METHOD.md §2.4's key list with its shapes, for hidden H, intermediate I, vocab V (MHA)."""
+    """docs/method.md §2.5's key list with its shapes, for hidden H, intermediate I, vocab V (MHA)."""
     fusion = {
         "fc.fc.weight": (H, 2 * H), "fc.fc.bias": (H,),
         "fc.post_attention_layernorm.weight": (H,), "fc.mlp.input_layernorm.weight": (H,),
