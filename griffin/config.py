@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Variant = Literal["griffin", "hass", "eagle"]
+LossWindow = Literal["draft", "reference"]  # griffin.losses.shift_batch
 
 
 class _Frozen(BaseModel):
@@ -122,6 +123,8 @@ class TrainConfig(_Frozen):
 
     align_top_k: int = Field(default=3, ge=1, description="k of the token-alignment mask")
     mask_shift: Literal["reference", "decode"] = "reference"
+    loss_window: LossWindow = Field(default="draft", description="supervised pairs: 'draft' = the ones a decode "
+                                    "drafts (from a reply's first token); 'reference' = EAGLE's unshifted mask")
     value_weight: float = 1.0
     token_weight: float = 0.1
     topk_weight: float = 0.5

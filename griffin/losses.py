@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.config import StagePlan, TrainConfig
+from griffin.config import LossWindow, StagePlan, TrainConfig
 from griffin.model import GriffinDraft
 
 
@@ -34,18 +34,36 @@ class ShiftedBatch:
     attention_mask: Tensor  # (B, T) 1 on real tokens
 
 
-def shift_batch(features: Tensor, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None) -> ShiftedBatch:
-    """features (B, T, D), input_ids / loss_mask / attention_mask (B, T), right-padded.
-    E.g. x = [a, b, c, <pad>]: tokens = [b, c, 0, 0], and the mask is 0 at c (nothing follows it)."""
+def shift_left(x: Tensor, steps: int = 1) -> Tensor:
+    """(B, T) -> (B, T): x[:, t + steps], zero past the end. E.g. [a, b, c] -> [b, c, 0]."""
+    return torch.cat([x[:, steps:], x.new_zeros(x.shape[0], min(steps, x.shape[1]))], dim=1)
+
+
+def shift_batch(features: Tensor, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
+                window: LossWindow = "draft") -> ShiftedBatch:
+    """features (B, T, D), input_ids / loss_mask / attention_mask (B, T), right-padded; ``loss_mask``
+    marks the reply tokens x_t (1 on each assistant reply and its end-of-turn token).
+
+    Which pairs (f_t, x_{t+1}) -> x_{t+2} are supervised (``window``):
+    - "draft": those a decode drafts, where x_{t+1} and x_{t+2} are both reply tokens. The first
+      draft of a reply comes from (f_{s-1}, x_s), x_s its first token; the last predicts its
+      end-of-turn token. As the official Qwen2 / LLaMA-3 data scripts, one position before EAGLE's.
+    - "reference": EAGLE's unshifted mask, x_t a reply token: it misses the reply's first draft and
+      trains end-of-turn -> next header, which no decode drafts.
+    E.g. x = [h, a, b, e, n] (h the header's last token, reply a b e, e its end-of-turn, n after it):
+    "draft" -> [1, 1, 0, 0, 0] ((f_0, a) -> b and (f_1, b) -> e); "reference" -> [0, 1, 1, 1, 0]
+    ((f_1, b) -> e, (f_2, e) -> n and (f_3, n) -> the next header)."""
     B, T = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    pad = input_ids.new_zeros(B, 1)
-    tokens = torch.cat([input_ids[:, 1:], pad], dim=1)  # (B, T)
+    tokens = shift_left(input_ids)  # (B, T) y_t = x_{t+1}
     target = torch.cat([features[:, 1:], features.new_zeros(B, 1, features.shape[-1])], dim=1)  # (B, T, D)
-    next_real = torch.cat([attention_mask[:, 1:], pad], dim=1)  # (B, T)
-    mask = (loss_mask * attention_mask * next_real).float()
-    return ShiftedBatch(features, tokens, target, mask, attention_mask)
+    reply = loss_mask * attention_mask  # (B, T)
+    if window == "draft":
+        mask = shift_left(reply) * shift_left(reply, 2)  # x_{t+1} and x_{t+2} in the reply
+    else:
+        mask = reply * shift_left(attention_mask)  # x_t in the reply and x_{t+1} a real token
+    return ShiftedBatch(features, tokens, target, mask.float(), attention_mask)
 
 
 def add_feature_noise(features: Tensor, attention_mask: Tensor, scale: float, generator=None) -> Tensor:

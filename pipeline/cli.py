@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.train:run_train", "token-alignable training on Ray Train"),
     "register": ("pipeline.registry:run_register", "register a trained draft in the MLflow registry"),
     "export": ("pipeline.registry:run_export", "export a draft to another layout"),
+    "ship": ("pipeline.ship:run_ship", "write a measured draft with its model card into drafts/"),
     "serve": ("pipeline.serve:run_serve", "serve target + draft with Ray Serve"),
     "eval": ("pipeline.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
     "tune-tree": ("pipeline.tune:run_tune_tree", "pick the tree budget that maximises expected tokens/s here"),
@@ -53,8 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--promote", action="store_true", help="move 'champion' if tau beats it")
         if name == "export":
             p.add_argument("--to", required=True, choices=["griffin-upstream", "hf"])
-            p.add_argument("--source", help="draft directory or models:/ URI (default: the run's best)")
-            p.add_argument("--out", help="output directory")
+        if name in ("export", "ship"):
+            p.add_argument("--source", help="draft directory or models:/ URI (export's default: the run's best)")
+            p.add_argument("--out", help="output directory (ship's default: drafts/<target>/<variant>)")
+        if name == "ship":
+            p.add_argument("--report", help="the evaluation report.json that measured the draft")
+            p.add_argument("--method", help="the draft's method label in that report (default griffin)")
         if name == "submit":
             p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
             p.add_argument("--no-wait", action="store_true", default=None, help="return after submitting")

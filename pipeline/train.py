@@ -85,9 +85,11 @@ def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
 
 def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: bool) -> list[tuple]:
     """The held-out batches with the target's greedy ids on them, built once per worker: the teacher
-    is a (T, V_target) head matmul per batch that never changes between evaluations."""
+    is a (T, V_target) head matmul per batch that never changes between evaluations. Chains start
+    where a decode's do (the "draft" window), whatever window training uses, so that drafts trained
+    either way are scored alike."""
     batches = [batch for batch, _ in shifted_batches(iter(eval_rows), cfg.train.batch_tokens, draft.cfg.hidden_size,
-                                                     target_head.device)]
+                                                     target_head.device, window="draft")]
     return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
 
 
@@ -121,7 +123,7 @@ def train_worker(config: dict[str, Any]) -> None:
     step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
     files, eval_ids = config["files"], set(config["eval_ids"])
     rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed)
-    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device)
+    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window)
     eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True)) if i % world == rank]
     bf16 = cfg.train.precision == "bf16"
     eval_set = _eval_set(draft, eval_rows, cfg, target.head_weight.to(device), bf16)

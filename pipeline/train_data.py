@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import pyarrow.parquet as pq
 import torch
 
+from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
 from pipeline.store import iter_rows, pad_batches, part_files
 
@@ -100,7 +101,8 @@ def _windowed_shuffle(rows, rng: random.Random, window: list[dict]) -> Iterator[
     window.clear()
 
 
-def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, device) -> Iterator[tuple[ShiftedBatch, list[str]]]:
+def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, device,
+                    window: LossWindow = "draft") -> Iterator[tuple[ShiftedBatch, list[str]]]:
     """Padded, shifted training batches and the "<epoch>:<sample id>" of each row in them."""
     epochs: dict[str, int] = {}
 
@@ -112,6 +114,6 @@ def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, d
     for batch in pad_batches(remember(rows), batch_tokens, hidden_size):
         shifted = shift_batch(
             batch["features"].to(device), batch["input_ids"].to(device),
-            batch["loss_mask"].to(device), batch["attention_mask"].to(device),
+            batch["loss_mask"].to(device), batch["attention_mask"].to(device), window,
         )
         yield shifted, [f"{epochs[sid]}:{sid}" for sid in batch["sample_ids"]]

@@ -35,6 +35,16 @@ if getattr(_audit, "_hook", None) is None:  # another sitecustomize was imported
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests run where CUDA is, and are skipped (not failed) everywhere else."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (the gpu marker); runs on a machine with a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def opened_outside_checkout() -> list[str]:
     log = Path(os.environ["GRIFFIN_AUDIT_LOG"])
     return log.read_text().splitlines() if log.is_file() else []

@@ -62,3 +62,18 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     assert len(generations) == 2 * 4 * len(methods)  # T x (2 + 1 + 1 turns) x methods
     assert "| hf_prompt_lookup |" in (eval_dir / "report.md").read_text()
     assert summary["mlflow_run_id"]
+
+    # the measured draft ships with a card that states what it delivers, and loads back bf16
+    from safetensors.torch import load_file
+
+    from pipeline.resources import load_draft
+    from pipeline.ship import run_ship
+
+    shipped = run_ship(cfg, source=str(draft_dir), report=str(eval_dir / "report.json"), out=str(tmp_path / "ship"))
+    card = json.loads((tmp_path / "ship" / "card.json").read_text())
+    assert card["tree"] == {k: report["tree"][k] for k in ("total_tokens", "depth", "top_k")}
+    assert set(card["measured"]) == {"three/T0", "three/T1"} and card["measured"]["three/T0"]["tau"] >= 1.0
+    assert shipped["bytes"] < 30e6 and "griffin serve" in (tmp_path / "ship" / "README.md").read_text()
+    weights = load_file(tmp_path / "ship" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in weights.values() if t.is_floating_point())
+    load_draft(tmp_path / "ship", target, cfg)

@@ -26,16 +26,9 @@ def conversation(i):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False)  # never attach to a stray cluster
+def ray_session(ray_local):
+    """The suite's one local Ray (conftest): never a stray cluster, started once per session."""
     yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

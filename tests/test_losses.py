@@ -14,10 +14,19 @@ from tests.conftest import make_target
 def test_shift_batch_example():
     ids = torch.tensor([[5, 6, 7, 0]])
     feats = torch.arange(4.0)[None, :, None].expand(1, 4, 2)
-    b = shift_batch(feats, ids, torch.tensor([[0, 1, 1, 0]]), torch.tensor([[1, 1, 1, 0]]))
+    b = shift_batch(feats, ids, torch.tensor([[0, 1, 1, 0]]), torch.tensor([[1, 1, 1, 0]]), window="reference")
     assert b.tokens.tolist() == [[6, 7, 0, 0]]
     assert b.target_features[0, :, 0].tolist() == [1.0, 2.0, 3.0, 0.0]
     assert b.loss_mask.tolist() == [[0, 1, 0, 0]]  # position 2 has no next real token
+
+
+def test_draft_window_supervises_the_first_draft_of_a_reply():
+    """x = [h, a, b, e, n, u]: reply a b e. The decode drafts (f_0, a) -> b first and (f_1, b) -> e
+    last; EAGLE's reference mask misses the first and trains (f_3, n) -> u, which nothing drafts."""
+    ids, reply = torch.tensor([[10, 11, 12, 13, 14, 15]]), torch.tensor([[0, 1, 1, 1, 0, 0]])
+    feats = torch.zeros(1, 6, 2)
+    assert shift_batch(feats, ids, reply, window="draft").loss_mask.tolist() == [[1, 1, 0, 0, 0, 0]]
+    assert shift_batch(feats, ids, reply, window="reference").loss_mask.tolist() == [[0, 1, 1, 1, 0, 0]]
 
 
 def test_alignment_hits_hand_example():
