@@ -193,6 +193,12 @@ def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchm
 
 def _refusal(candidate, champion, tau: float, benchmark: str) -> str | None:
     """Why ``candidate`` may not replace ``champion`` (None: it may)."""
+    from pipeline.report import VIOLATIONS_TAG
+
+    if int(candidate.tags.get(VIOLATIONS_TAG, "0")):
+        return (f"version {candidate.version} decoded {candidate.tags[VIOLATIONS_TAG]} T=0 generations that differ "
+                f"from vanilla beyond a bf16 near-tie (eval run {candidate.tags.get('eval_run_id')}): a lossless "
+                "decoder never does; see the evaluation report's divergences before promoting anything")
     if champion is None or str(champion.version) == str(candidate.version):
         return None
     best = recorded_tau(champion.tags, benchmark)

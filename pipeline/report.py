@@ -65,6 +65,9 @@ def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[s
     return {"methods": stats, "speedup": speedup, "mismatches": mismatches}
 
 
+VIOLATIONS_TAG = "eval.violations"  # model-version tag: T=0 divergences beyond a bf16 near-tie
+
+
 def violations(result: dict[str, Any]) -> list[dict[str, Any]]:
     """T=0 divergences from vanilla that bf16 rounding cannot explain (see evaluate.first_divergence)."""
     return [m for m in result["mismatches"] if not m["near_tie"]]
@@ -228,4 +231,7 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
                                                  f"{value:.4f}")
             client.set_model_version_tag(name, number, "eval_run_id", run.info.run_id)
             client.set_model_version_tag(name, number, "eval_tree", f"{tree.total_tokens}/{tree.depth}/{tree.top_k}")
+            # a real T=0 divergence (not a bf16 near-tie) blocks promotion (registry._refusal)
+            broken = sum(m["method"] == label for result in report["results"].values() for m in violations(result))
+            client.set_model_version_tag(name, number, VIOLATIONS_TAG, str(broken))
     return run.info.run_id

@@ -136,6 +136,9 @@ def test_promotion_gate(store, target, tmp_path):
     assert client.get_model_version("promo-test", "2").tags["tau.mt_bench"] == "2.0"
     with pytest.raises(ValueError, match="acceptance length"):
         registry.promote(cfg, 3, 0.5)
+    client.set_model_version_tag("promo-test", "2", "eval.violations", "1")  # as `griffin eval` records it
+    blocked = registry.promote(cfg, 2, 5.0)
+    assert not blocked["promoted"] and "beyond a bf16 near-tie" in blocked["reason"]
 
 
 def test_wrong_target_refused(store, target, tmp_path):
