@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from griffin.config import SamplingConfig, TrainConfig, TreeConfig, Variant
 
@@ -187,6 +187,14 @@ class RunConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
 
+    @model_validator(mode="after")
+    def _check_eval_tree(self) -> "RunConfig":
+        try:
+            self.eval_tree  # eval.tree's fields on decode.tree must make a valid tree too
+        except ValidationError as error:
+            raise ValueError(f"eval.tree applied to decode.tree: {error.errors()[0]['msg']}") from None
+        return self
+
     # ---- derived locations --------------------------------------------------------------
     @property
     def run_dir(self) -> Path:
@@ -210,8 +218,12 @@ class RunConfig(Section):
 
     @property
     def eval_tree(self) -> TreeConfig:
-        """The tree evaluation decodes with: ``eval.tree`` when set explicitly, else ``decode.tree``."""
-        return self.eval.tree or self.decode.tree
+        """The tree evaluation decodes with: ``decode.tree`` with the fields ``eval.tree`` sets explicitly
+        (``eval.tree.depth=3`` changes only the depth)."""
+        if self.eval.tree is None:
+            return self.decode.tree
+        explicit = self.eval.tree.model_dump(include=self.eval.tree.model_fields_set)
+        return TreeConfig(**{**self.decode.tree.model_dump(), **explicit})
 
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)
@@ -259,7 +271,7 @@ def _fields_at(loc: tuple) -> list[str]:
 def _explain(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"])
+        where = ".".join(str(p) for p in item["loc"]) or "config"
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown key {where!r} (allowed: {', '.join(_fields_at(item['loc']))})")
         else:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The long-budget GRIFFIN draft that drafts/<target>/griffin ships: featurize -> train (all stages)
+# -> register -> tune-tree -> evaluate (T=0, MT-Bench + HumanEval, vs vanilla and HF generate) ->
+# griffin ship. Every step resumes or is skipped when done, so rerunning after a kill continues;
+# run it in the background: `nohup benchmarks/long_draft.sh > outputs/long_draft.log 2>&1 &`.
+#   benchmarks/long_draft.sh [config-name] [extra overrides...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NAME=${1:-smollm2-long}
+shift || true
+CFG=jobs/configs/$NAME.yaml
+G=.venv/bin/griffin
+RUN=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').run_dir)")
+MODEL=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').model_name)")
+EVAL=("eval.temperatures=[0]" "eval.num_questions=4" "eval.max_new_tokens=128" "eval.baselines=[vanilla, hf_generate]")
+
+$G featurize -c "$CFG" "$@"
+$G train -c "$CFG" "$@"
+$G register -c "$CFG" "$@"
+TUNE=$RUN/tune_tree/tune_tree.json
+[ -f "$TUNE" ] || $G tune-tree -c "$CFG" --prompts 3 --max-new-tokens 48 --draft "models:/$MODEL@candidate" "$@"
+read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(open('$TUNE'))['overrides']))")
+$G eval -c "$CFG" "${TREE[@]}" "${EVAL[@]}" --draft "models:/$MODEL@candidate" "$@"
+$G register -c "$CFG" --promote "$@"
+$G ship -c "$CFG" --source "models:/$MODEL@candidate" --report "$RUN/eval/report.json" "$@"

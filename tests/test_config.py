@@ -1,0 +1,48 @@
+"""Run configs: `extends:` chains, one decoding tree, and the CLI's split of overrides and stage flags."""
+
+import pytest
+
+from griffin.config import TreeConfig
+from pipeline.cli import split_extra
+from pipeline.config import load_config, merge
+
+
+def test_merge_maps_key_by_key_and_replaces_lists():
+    base = {"train": {"batch_tokens": 2048, "schedule": [1, 2]}, "data": {"limit": 5}}
+    assert merge(base, {"train": {"schedule": [3]}, "run_name": "x"}) == {
+        "train": {"batch_tokens": 2048, "schedule": [3]}, "data": {"limit": 5}, "run_name": "x"}
+
+
+def test_extends_chain_and_overrides_apply_last(tmp_path):
+    (tmp_path / "base.yaml").write_text("output_dir: out\ntarget: {name: tiny-llama, dtype: float32}\n"
+                                        "decode: {tree: {total_tokens: 8, depth: 3, top_k: 3}}\n")
+    (tmp_path / "mid.yaml").write_text("extends: base.yaml\nrun_name: mid\ntrain: {batch_tokens: 512}\n")
+    (tmp_path / "top.yaml").write_text("extends: mid.yaml\nrun_name: top\n")
+    cfg = load_config(tmp_path / "top.yaml", ["train.batch_tokens=256"])
+    assert (cfg.run_name, cfg.target.name, cfg.train.batch_tokens) == ("top", "tiny-llama", 256)
+    assert cfg.eval_tree == cfg.decode.tree == TreeConfig(total_tokens=8, depth=3, top_k=3)
+    explicit = load_config(tmp_path / "top.yaml", ["eval.tree={total_tokens: 4, depth: 2, top_k: 2}"])
+    assert explicit.eval_tree.total_tokens == 4 and explicit.decode.tree.total_tokens == 8
+
+
+def test_extends_errors_name_the_problem(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ValueError, match="extends itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_the_tree_has_one_home():
+    """serve has no tree of its own; eval.tree overrides only the fields it sets."""
+    with pytest.raises(ValueError, match="unknown key 'serve.tree'"):
+        load_config("jobs/configs/tiny.yaml", ["serve.tree.depth=3"])
+    cfg = load_config("jobs/configs/tiny.yaml", ["eval.tree.total_tokens=6"])
+    assert cfg.eval_tree == cfg.decode.tree.model_copy(update={"total_tokens": 6})
+
+
+def test_split_extra_keeps_stage_flags_with_their_values():
+    assert split_extra(["a.b=1", "--stage", "2", "--promote", "c=2"]) == (["a.b=1", "c=2"], ["--stage", "2", "--promote"])
+    assert split_extra(["stray"]) == (["stray"], [])  # not an override: load_config names it
