@@ -78,13 +78,16 @@ def read_draft_config(path: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """The one weights hash of the project: sha256 over every tensor's name, shape, dtype and raw
-    bytes, in name order. A target's state dict, a draft directory's file and a training checkpoint
-    are all identified by it, independent of file metadata and of where the files live."""
+    """The one weights hash of the project: sha256 over every tensor's name, shape and bytes, in
+    name order. A target's state dict, a draft directory's file and a training checkpoint are all
+    identified by it, independent of file metadata and of where the files live. Floating tensors
+    are hashed as bf16, so the same weights loaded in bf16 or fp32 (the dtype depends on the
+    machine) are the same weights, while any other model differs."""
     digest = hashlib.sha256()
     for name, tensor in sorted(tensors.items()):
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        canonical = tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{canonical.dtype}".encode())
+        digest.update(canonical.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

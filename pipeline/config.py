@@ -23,7 +23,9 @@ class Section(BaseModel):
 
 class TargetSection(Section):
     name: str = Field(description="asset name (griffin.assets), local directory or HF hub id")
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        default="auto", description="auto: bfloat16 where the device runs it natively (GPUs, CPUs with AMX or "
+        "AVX512-BF16), else float32")
     device: str = "cpu"
     prepack: bool = Field(
         default=True, description="CPU bf16 decoding (serve, eval): pre-pack linear weights for oneDNN (no-op elsewhere)"
@@ -81,7 +83,9 @@ class TrainSection(Section):
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources per worker")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     batch_tokens: int = Field(default=4096, ge=16, description="tokens per worker micro-batch (padded)")
-    precision: Literal["bf16", "fp32"] = "bf16"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where the "
+        "device runs it natively")
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     eval_steps: int = Field(default=5, ge=1, description="draft steps k of eval/acc_k")
     eval_every: int = Field(default=50, ge=1)

@@ -47,7 +47,7 @@ def load_target(section: TargetSection, decoding: bool = False) -> TargetAdapter
     """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``."""
     from pipeline.targets import build_tiny_target
 
-    dtype = resolve_dtype(section.dtype)
+    dtype = resolve_dtype(section.dtype, section.device)
     if section.tiny is not None:
         target = build_tiny_target(section.tiny, dtype)
         target.model.to(section.device)

@@ -27,6 +27,7 @@ import torch
 
 from griffin.config import StagePlan
 from griffin.model import GriffinDraft
+from griffin.target import fast_bf16
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
                               train_step)
 from griffin.weights import load_draft, save_draft, tensors_sha256
@@ -125,7 +126,7 @@ def train_worker(config: dict[str, Any]) -> None:
     rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed)
     batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window)
     eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True)) if i % world == rank]
-    bf16 = cfg.train.precision == "bf16"
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, eval_rows, cfg, target.head_weight.to(device), bf16)
     client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
