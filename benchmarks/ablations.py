@@ -1,4 +1,4 @@
-"""Issue 8's ablation tables from the runs ``benchmarks/ablations.sh`` made (see there for the design).
+"""The ablation tables from the runs ``benchmarks/ablations.sh`` made (see there for the design).
 
 Score: ``eval/sim_accept_len`` of each stage's best checkpoint (held-out simulated acceptance: the
 expected number of accepted draft tokens of a 5-step greedy chain drafted with the draft's own

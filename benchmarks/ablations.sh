@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's ablations on SmolLM2-135M-Instruct, at a reduced budget, scored by held-out simulated
+# The ablations on SmolLM2-135M-Instruct, at a reduced budget, scored by held-out simulated
 # acceptance length (eval/sim_accept_len: greedy k-step drafting with the draft's own features on the
 # store's held-out rows, the same rows for every run). Needs the headline run's feature store and its
 # GRIFFIN stage-1 draft (benchmarks/headline.sh). Resumable; results: benchmarks/ablations.{json,md}.

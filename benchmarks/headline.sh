@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's headline comparison on SmolLM2-135M-Instruct: GRIFFIN vs HASS vs EAGLE-2 drafts trained on
+# The headline comparison on SmolLM2-135M-Instruct: GRIFFIN vs HASS vs EAGLE-2 drafts trained on
 # one shared feature store with the same optimizer steps, one tuned tree budget for all three, evaluated
 # together (interleaved) against vanilla decoding, HF generate and HF prompt lookup. Every step resumes
 # or is skipped when done, so a rerun after a kill continues. Results: benchmarks/headline.{json,md,png}.

@@ -1,4 +1,4 @@
-"""Issue 8: where one speculative decoding round spends its time on this CPU.
+"""Where one speculative decoding round spends its time on this CPU.
 
 Runs ``speculative_generate`` with a trained draft on MT-Bench prompts under ``torch.profiler`` and
 splits the wall time of the rounds by the named ranges the decode loop records

@@ -1,4 +1,4 @@
-"""Issue 4 benchmark: training-step throughput per TAT stage (1, 2, 3 passes) with the full and a
+"""Training benchmark: training-step throughput per TAT stage (1, 2, 3 passes) with the full and a
 reduced draft vocabulary, peak memory per configuration, and the LLaMA3-8B training memory on paper.
 
 Real SmolLM2-135M-Instruct features: a small store built with the project's own featurization
@@ -340,7 +340,7 @@ def markdown(r: dict) -> str:
         + " | ".join(f"{tot[str(J)]['total_as_implemented_fused_GB']:.1f}" for J in STAGES) + " |"])
     k = r["live_vocab_tensors_measured"]
     smol = r["memory"][config_name(1, V)]
-    return f"""# Training throughput benchmark (issue 4)
+    return f"""# Training throughput benchmark
 
 `griffin.training.train_step` (bf16 autocast, fp32 master weights, AdamW, per-pass backward, grad value
 clipping) of a GRIFFIN draft for SmolLM2-135M-Instruct ({smol['trainable_params'] / 1e6:.2f} M trainable parameters) on
