@@ -6,11 +6,14 @@ CONFIG ?= jobs/configs/smollm2-quick.yaml
 
 .PHONY: setup test run clean
 
+# pip's own chatter (index warnings, build-backend notes) goes to a log; it is shown when set-up fails
 $(VENV)/.installed: pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
-	touch $@
+	@echo "setting up $(VENV) with the pinned dependencies (log: $(VENV)/setup.log)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@{ $(PY) -m pip install --quiet --upgrade pip && \
+	   $(PY) -m pip install --quiet -c constraints.txt -e '.[test]'; } > $(VENV)/setup.log 2>&1 \
+	  || { tail -n 40 $(VENV)/setup.log; echo "set-up failed: see $(VENV)/setup.log"; exit 1; }
+	@touch $@
 
 setup: $(VENV)/.installed
 
@@ -18,7 +21,7 @@ test: setup
 	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider tests
 
 run: setup
-	$(VENV)/bin/griffin run -c $(CONFIG)
+	@$(VENV)/bin/griffin run -c $(CONFIG)
 
 clean:
 	rm -rf $(VENV) outputs
