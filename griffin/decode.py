@@ -45,6 +45,42 @@ class GenerationResult:
     tokens: list[int]  # new token ids, stop token included when one was produced
     stats: GenerationStats
     finish_reason: str  # "stop" or "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token when a LogprobRecorder was passed
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of one emitted token and its ``top`` alternatives [(id, logprob)],
+    best first (OpenAI's ``logprob`` / ``top_logprobs``)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class LogprobRecorder:
+    """Asks a decode for log-probabilities: it appends one ``TokenLogprob`` per committed token to
+    ``entries`` *before* ``on_tokens`` sees those tokens, so a stream can send them with its chunks.
+
+    Semantics (OpenAI / vLLM's default): the log-softmax of the target's *raw* logits at the
+    position that produced the token, in fp32, whatever the temperature, top-k or top-p: the
+    sampling warper is not applied. Computed only when a recorder is passed (the default decode does
+    no extra work); speculative decoding reads them from the verification logits of the accepted
+    path, which at T=0 are the logits vanilla decoding sees (equal up to float noise)."""
+
+    top_n: int = 0  # alternatives per token (0: the chosen token's log-probability only)
+    entries: list[TokenLogprob] = field(default_factory=list)
+
+    def score(self, logits: Tensor, tokens: list[int]) -> list[TokenLogprob]:
+        """logits (K, V) of the K positions that produced ``tokens`` (K,) -> K entries."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (K, V)
+        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]  # (K,)
+        if self.top_n:
+            top_values, top_ids = logprobs.topk(min(self.top_n, logprobs.shape[-1]), dim=-1)  # (K, n)
+            tops = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+        else:
+            tops = [[] for _ in tokens]
+        return [TokenLogprob(value, top) for value, top in zip(chosen.tolist(), tops)]
 
 
 def _check_request(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int) -> None:
@@ -63,9 +99,11 @@ TokenCallback = Callable[[list[int]], None]
 
 
 def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
-            on_tokens: TokenCallback | None = None) -> str | None:
+            on_tokens: TokenCallback | None = None, recorder: LogprobRecorder | None = None,
+            scores: Callable[[], list[TokenLogprob]] | None = None) -> str | None:
     """Append ``new`` to ``out`` up to the first stop token or the length limit; say why we stopped.
-    ``on_tokens`` receives the tokens actually appended (for streaming)."""
+    ``on_tokens`` receives the tokens actually appended (for streaming); with a ``recorder``, the
+    lazily computed ``scores()`` (aligned with ``new``) of those tokens are recorded first."""
     start, reason = len(out), None
     for token in new:
         out.append(token)
@@ -75,6 +113,8 @@ def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
         if len(out) >= max_new_tokens:
             reason = "length"
             break
+    if recorder is not None:
+        recorder.entries += scores()[: len(out) - start]
     if on_tokens is not None:
         on_tokens(out[start:])
     return reason
@@ -95,9 +135,11 @@ def vanilla_generate(
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | None = None,
     on_tokens: TokenCallback | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> GenerationResult:
     """Autoregressive decoding, one token per target pass, on the same target implementation.
-    ``on_tokens`` is called with each newly committed token list (streaming)."""
+    ``on_tokens`` is called with each newly committed token list (streaming); ``logprobs`` records
+    the target's log-probabilities of the emitted tokens (see ``LogprobRecorder``)."""
     _check_request(target, input_ids, max_new_tokens)
     stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     stats, out, device = GenerationStats(), [], target.device
@@ -106,16 +148,18 @@ def vanilla_generate(
     _, logits = target.forward(input_ids.to(device), cache, all_logits=False)  # (1, 1, V)
     token = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = _now(device) - start
-    reason = _append(out, [token], stop, max_new_tokens, on_tokens)
+    reason = _append(out, [token], stop, max_new_tokens, on_tokens, logprobs,
+                     lambda: logprobs.score(logits[0, -1:], [token]))
     while reason is None:
         start = _now(device)
-        _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)
+        _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)  # (1, 1, V)
         token = next_token(logits[0, -1], sampling, generator)
         stats.verify_time += _now(device) - start
         stats.rounds += 1
         stats.accepted_per_round.append(0)
-        reason = _append(out, [token], stop, max_new_tokens, on_tokens)
-    return GenerationResult(out, stats, reason)
+        reason = _append(out, [token], stop, max_new_tokens, on_tokens, logprobs,
+                         lambda: logprobs.score(logits[0, -1:], [token]))
+    return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)
 
 
 @torch.inference_mode()
@@ -129,9 +173,12 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | None = None,
     on_tokens: TokenCallback | None = None,
+    logprobs: LogprobRecorder | None = None,
 ) -> GenerationResult:
     """Lossless GRIFFIN speculative decoding (docs/method.md §4-5). ``generator`` seeds T>0 sampling;
-    ``on_tokens`` is called with each round's committed tokens (streaming)."""
+    ``on_tokens`` is called with each round's committed tokens (streaming); ``logprobs`` records the
+    target's log-probabilities of the emitted tokens from the verification logits of the accepted
+    path (no extra target pass; see ``LogprobRecorder``)."""
     _check_request(target, input_ids, max_new_tokens)
     stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     stats, out, device = GenerationStats(), [], target.device
@@ -146,7 +193,8 @@ def speculative_generate(
     features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False)  # (1,T,D), (1,1,V)
     root = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = _now(device) - start
-    reason = _append(out, [root], stop, max_new_tokens, on_tokens)
+    reason = _append(out, [root], stop, max_new_tokens, on_tokens, logprobs,
+                     lambda: logprobs.score(logits[0, -1:], [root]))
     # Draft input pairs (f_p, x_{p+1}): features of the processed positions and the tokens after them.
     new_tokens = torch.cat([input_ids[0, 1:].to(device), torch.tensor([root], device=device)])  # (T,)
 
@@ -171,7 +219,9 @@ def speculative_generate(
         stats.accepted_per_round.append(result.accept_len)
 
         committed = tree_nodes.tokens[accepted[1:]].tolist() + [result.next_token]  # (A+1,)
-        reason = _append(out, committed, stop, max_new_tokens, on_tokens)
+        # token i of ``committed`` came from the target's logits after accepted node i
+        reason = _append(out, committed, stop, max_new_tokens, on_tokens, logprobs,
+                         lambda: logprobs.score(logits_n[0, accepted], committed))  # (A+1, V) rows
         features = features_n[:, accepted]  # (1, A+1, D): target features of root + accepted nodes
         new_tokens = torch.tensor(committed, device=device)
-    return GenerationResult(out, stats, reason)
+    return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)

@@ -127,8 +127,8 @@ class ServeSection(Section):
         "overflow gets 503 + Retry-After"
     )
     control_slots: int = Field(
-        default=4, ge=1, description="Serve slots per replica beyond max_ongoing_requests, so /health, "
-        "/v1/models and shedding never wait behind completions"
+        default=16, ge=1, description="Serve slots per replica beyond max_ongoing_requests, so /health, "
+        "/v1/models and shedding (with an OpenAI error body) never wait behind completions"
     )
     retry_after_s: float = Field(default=1.0, gt=0, description="the Retry-After sent with a shed request")
     shed_status: Literal[503, 429] = Field(default=503, description="the HTTP status of a shed request")

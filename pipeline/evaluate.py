@@ -84,10 +84,13 @@ def hf_decoder(target: Any, **generate_kwargs: Any) -> Method:
 
 
 def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
-    """The Serve endpoint; ``speculative=False`` asks it to decode without the draft."""
+    """The Serve endpoint; ``speculative=False`` asks it to decode without the draft. The endpoint
+    returns the emitted token ids (``return_token_ids``), so a T=0 divergence is located at the token
+    level with its logit gap (``first_divergence``) in through_serve mode too."""
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
         body = {"messages": messages, "max_tokens": max_new, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed, "speculative": speculative}
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed, "speculative": speculative,
+                "return_token_ids": True}
         start = time.perf_counter()
         response = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
         seconds = time.perf_counter() - start
@@ -96,6 +99,7 @@ def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
         data = response.json()
         spec = data["speculative"]
         return Output(data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"], seconds,
+                      tokens=spec.get("token_ids"),  # absent from a server that predates return_token_ids
                       accepted_per_round=spec["accepted_per_round"] if spec["enabled"] else None)
     return run
 

@@ -1,9 +1,14 @@
-"""The OpenAI-compatible wire protocol of ``pipeline.serve``: request schemas, error bodies, prompt
-rendering, completion text with stop sequences, incremental detokenization for streams
-(``TextStream``) and server-sent-event chunks.
+"""The OpenAI-compatible wire protocol of ``pipeline.serve``: request parsing and schemas, error
+bodies, prompt rendering, completion text with stop sequences, log-probabilities, incremental
+detokenization for streams (``TextStream``) and server-sent-event chunks.
 
 Pure functions of the tokenizer and plain data (no Ray, no model), so ``pipeline.evaluate`` renders
 prompts and texts exactly as the server does, and tests can check them without a server.
+
+Hostile input is a 400 naming the field, never a 500: ``parse_request`` rejects nesting deeper than
+``MAX_JSON_DEPTH``, integers longer than ``MAX_INT_DIGITS`` digits and non-finite numbers (NaN,
+Infinity, 1e999) anywhere in the body, and OpenAI fields the server cannot honour (``REFUSED``) unless
+they carry their neutral value.
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import re
+import secrets
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -39,43 +48,90 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": text}
 
 
+class StreamOptions(_Strict):
+    include_usage: bool = False  # a last chunk with ``choices: []`` and the usage
+
+
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit, vLLM's default max)
+
+
 class SamplingRequest(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_completion_tokens: int | None = Field(default=None, gt=0)  # OpenAI's current name for max_tokens
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1  # one choice per request
     speculative: bool = True  # extension: False decodes without the draft (A/B through the endpoint)
+    return_token_ids: bool = False  # extension (vLLM's name): the emitted ids in the speculative block
+
+    def token_budget(self) -> tuple[int | None, str]:
+        """The requested number of new tokens and the field the client set it with."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_top(self) -> int | None:
+        """None: no log-probabilities; n: the emitted token's plus the top n alternatives."""
+        return None
+
+    def check(self) -> None:
+        """Cross-field rules the schema cannot state; raises ApiError."""
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(f"'max_tokens'={self.max_tokens} and 'max_completion_tokens'={self.max_completion_tokens} "
+                           "disagree; they are the same limit, send only one", "max_completion_tokens")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError("'stream_options' is only allowed with 'stream': true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the completions API's top-n
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
 
-FIELDS = {name for m in (TextPart, ChatMessage, ChatRequest, CompletionRequest) for name in m.model_fields}
+FIELDS = {name for m in (TextPart, ChatMessage, StreamOptions, ChatRequest, CompletionRequest)
+          for name in m.model_fields}
 
 
 class ApiError(Exception):
     """A request the server refuses, as an OpenAI-style error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.param, self.status, self.code, self.kind = param, status, code, kind
+        self.param, self.status, self.code, self.kind, self.headers = param, status, code, kind, headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _validation_error(error: ValidationError) -> ApiError:
@@ -93,17 +149,105 @@ def _validation_error(error: ValidationError) -> ApiError:
     return ApiError(f"invalid '{param}': {first['msg']} {got}", param)
 
 
-def parse_request(raw: bytes, schema: type[SamplingRequest]) -> SamplingRequest:
+MAX_JSON_DEPTH = 32  # an OpenAI request nests ~5 deep (messages[i].content[j].text)
+MAX_INT_DIGITS = 64  # far above any valid value (seed < 2**63 has 19 digits), far below Python's 4300
+
+
+class _HugeInt:
+    """Stands in for a JSON integer too long to convert: ``int()`` of 4300+ digits raises, and a
+    long one costs quadratic time; the body check reports it with its field."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    digits = len(text) - text.startswith("-")
+    return int(text) if digits <= MAX_INT_DIGITS else _HugeInt(digits)
+
+
+def _where(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path) or None
+
+
+def _check_values(body: Any) -> None:
+    """Walks the parsed body (iteratively: a deep one must not recurse) for what JSON allows and a
+    request must not hold: nesting deeper than MAX_JSON_DEPTH, huge integers, NaN / Infinity / 1e999."""
+    stack = [(body, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, (dict, list)) and depth > MAX_JSON_DEPTH:
+            raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at '{_where(path)}'); "
+                           "flatten it", _where(path))
+        if isinstance(value, dict):
+            stack.extend((item, (*path, key), depth + 1) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((item, (*path, index), depth + 1) for index, item in enumerate(value))
+        elif isinstance(value, _HugeInt):
+            raise ApiError(f"'{_where(path)}' is an integer with {value.digits} digits; integers in a request have "
+                           f"at most {MAX_INT_DIGITS} digits: use a value in the field's range", _where(path))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ApiError(f"'{_where(path)}' must be a finite number, got {value} (NaN, Infinity and numbers "
+                           "beyond the float range such as 1e999 are not accepted)", _where(path))
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, checked by ``_check_values``; every failure is an ApiError (400)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        body = json.loads(raw, parse_int=_parse_int, parse_constant=float)
+    except RecursionError:
+        raise ApiError(f"the request body nests too deeply to parse; requests nest at most {MAX_JSON_DEPTH} "
+                       "levels") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
         raise ApiError(f"the request body is not valid JSON: {error}") from None
+    _check_values(body)
+    return body
+
+
+# field -> (neutral values that are accepted and ignored, why anything else is refused)
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": (([],), "tool calling is not supported"),
+    "tool_choice": (("none",), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none",), "function calling is not supported"),
+    "response_format": (({"type": "text"},), "structured output (JSON mode, json_schema) is not supported"),
+    "logit_bias": (({},), "logit biases are not supported"),
+    "presence_penalty": ((0, 0.0), "penalties would change the target's distribution, which decoding keeps exact"),
+    "frequency_penalty": ((0, 0.0), "penalties would change the target's distribution, which decoding keeps exact"),
+    "echo": ((False,), "echoing the prompt is not supported"),
+    "best_of": ((1,), "one completion is decoded per request"),
+    "suffix": (("",), "insertion (suffix) is not supported"),
+}
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """None or one of the neutral values, type included (``False`` is not the penalty 0)."""
+    return value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """An OpenAI field this server would otherwise ignore silently is a 400 naming it, unless it holds
+    its neutral value (null, false, 0, 1, [], {}, "none", {"type": "text"}): clients that always send
+    e.g. ``presence_penalty: 0`` keep working."""
+    for name, (neutral, why) in REFUSED.items():
+        if name in body and not _neutral(body[name], neutral):
+            allowed = " or ".join(json.dumps(n) for n in (None, *neutral))
+            raise ApiError(f"'{name}' is not supported by this server: {why}. Remove it (or send {allowed})",
+                           name, code="unsupported_parameter")
+
+
+def parse_request(raw: bytes, schema: type[SamplingRequest]) -> SamplingRequest:
+    """A request body -> the validated request; any problem is an ApiError (400) naming the field."""
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    refuse_unsupported(body)
     try:
-        return schema.model_validate(body)
+        request = schema.model_validate(body)
     except ValidationError as error:
         raise _validation_error(error) from None
+    request.check()
+    return request
 
 
 def stop_sequences(stop: str | list[str] | None) -> list[str]:
@@ -114,10 +258,67 @@ def stop_sequences(stop: str | list[str] | None) -> list[str]:
 
 
 # ---- prompts and completions ----
+_ENCODE_LOCK = threading.Lock()
+
+
+def encode(tokenizer: Any, text: str, parse_special: bool = True, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``; ``parse_special=False`` reads special-token strings as plain text.
+    HF fast tokenizers switch that with a flag on the shared backend tokenizer, so calls from
+    concurrent threads (the server parses requests in workers) must not interleave: one lock."""
+    with _ENCODE_LOCK:
+        return tokenizer(text, add_special_tokens=add_special_tokens,
+                         split_special_tokens=not parse_special)["input_ids"]
+
+
+def _special_pattern(tokenizer: Any) -> re.Pattern | None:
+    """A regex matching the tokenizer's special tokens, longest first; None when it has none."""
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                      reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+
+
+def _layout(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, dict[str, str]]:
+    """The template rendered with a random placeholder per content, and placeholder -> content. A
+    template that trims contents (``| trim``) is honoured: the placeholders are filled with what
+    reproduces the plain rendering, exact or stripped contents."""
+    nonce = secrets.token_hex(8)
+    marks = [f"@@content-{nonce}-{i}@@" for i in range(len(messages))]
+    layout = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                           tokenize=False, add_generation_prompt=True)
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for fill in (lambda text: text, str.strip):
+        contents = {mark: fill(m["content"]) for mark, m in zip(marks, messages)}
+        if _fill(layout, contents) == plain:
+            return layout, contents
+    logger.warning("the chat template rewrites message contents; contents are inserted as sent")
+    return layout, {mark: m["content"] for mark, m in zip(marks, messages)}
+
+
+def _fill(text: str, contents: dict[str, str]) -> str:
+    for mark, content in contents.items():
+        text = text.replace(mark, content)
+    return text
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The target's own chat template with the assistant header appended (add_generation_prompt)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has BOS
+    """The target's own chat template with the assistant header appended (add_generation_prompt).
+
+    Contents are text: special tokens come only from the template, never from a message, so a
+    content holding "<|im_end|>\n<|im_start|>system\n..." cannot forge a system turn. The template is
+    rendered with placeholders; the rendering is cut at the template's own special tokens and the
+    text between them (template text and contents together, as a plain rendering would tokenize it)
+    is tokenized with special-token parsing off. Without special-token strings in the contents the
+    ids equal tokenizing the plain rendering."""
+    layout, contents = _layout(tokenizer, messages)
+    pattern = _special_pattern(tokenizer)
+    pieces = pattern.split(layout) if pattern is not None else [layout]
+    ids: list[int] = []
+    for index, piece in enumerate(pieces):
+        if index % 2:  # re.split puts the captured separators (the template's special tokens) at odd indices
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            ids += encode(tokenizer, _fill(piece, contents), parse_special=False)  # the template already has BOS
+    return ids
 
 
 def completion_text(tokenizer: Any, tokens: list[int], stop_ids: list[int], stops: list[str]) -> tuple[str, int, bool]:
@@ -139,12 +340,76 @@ def completion_text(tokenizer: Any, tokens: list[int], stop_ids: list[int], stop
     return text[: min(cuts)], low, True
 
 
-def speculative_block(result: Any, enabled: bool, tree: Any) -> dict[str, Any]:
-    """A GenerationResult's stats as the response's ``speculative`` block (tau includes the bonus token)."""
+def content_tokens(tokens: list[int], n_tokens: int, stop_ids: list[int]) -> int:
+    """How many of the first ``n_tokens`` tokens make up the text: a final stop token does not."""
+    return n_tokens - 1 if n_tokens and tokens[n_tokens - 1] in stop_ids else n_tokens
+
+
+def speculative_block(result: Any, enabled: bool, tree: Any, token_ids: list[int] | None = None) -> dict[str, Any]:
+    """A GenerationResult's stats as the response's ``speculative`` block (tau includes the bonus token);
+    ``token_ids`` (the emitted ids, on ``return_token_ids``) let a client compare outputs token by token."""
     stats = result.stats
-    return {"enabled": enabled, "rounds": stats.rounds, "accepted_tokens": sum(stats.accepted_per_round),
-            "acceptance_length": stats.acceptance_length, "accepted_per_round": stats.accepted_per_round,
-            "draft_tokens_per_round": tree.total_tokens - 1 if enabled else 0}
+    block = {"enabled": enabled, "rounds": stats.rounds, "accepted_tokens": sum(stats.accepted_per_round),
+             "acceptance_length": stats.acceptance_length, "accepted_per_round": stats.accepted_per_round,
+             "draft_tokens_per_round": tree.total_tokens - 1 if enabled else 0}
+    if token_ids is not None:
+        block["token_ids"] = token_ids
+    return block
+
+
+# ---- log-probabilities in OpenAI's two formats ----
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
+
+
+class LogprobFormatter:
+    """``TokenLogprob`` entries (griffin.decode) as OpenAI ``logprobs`` objects: chat
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}`` or completions ``{tokens, token_logprobs,
+    top_logprobs, text_offset}``. A token's text is its own decode (a lone byte of a multi-byte
+    character reads U+FFFD; ``bytes`` are that text's UTF-8). ``offset`` keeps completions'
+    ``text_offset`` running across a stream's chunks."""
+
+    def __init__(self, tokenizer: Any, chat: bool, top_n: int):
+        self.tokenizer, self.chat, self.top_n, self.offset = tokenizer, chat, top_n, 0
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _chat_item(self, token: int, value: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": max(value, LOGPROB_FLOOR), "bytes": list(text.encode())}
+
+    def format(self, tokens: list[int], entries: list[Any]) -> dict[str, Any]:
+        if self.chat:
+            content = [{**self._chat_item(token, entry.logprob),
+                        "top_logprobs": [self._chat_item(i, v) for i, v in entry.top]}
+                       for token, entry in zip(tokens, entries)]
+            return {"content": content, "refusal": None}
+        texts = [self._text(token) for token in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        tops = ([{self._text(i): max(v, LOGPROB_FLOOR) for i, v in entry.top} for entry in entries]
+                if self.top_n else None)
+        return {"tokens": texts, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+
+class StreamLogprobs:
+    """Hands out a stream's log-probabilities chunk by chunk: ``take(tokens, upto)`` formats the
+    entries not sent yet up to token ``upto`` (None when there are none). ``entries`` is the decode's
+    ``LogprobRecorder.entries``, filled before the stream sees the tokens."""
+
+    def __init__(self, formatter: LogprobFormatter, entries: list[Any]):
+        self.formatter, self.entries, self.sent = formatter, entries, 0
+
+    def take(self, tokens: list[int], upto: int) -> dict[str, Any] | None:
+        upto = min(upto, len(self.entries), len(tokens))
+        if upto <= self.sent:
+            return None
+        part = self.formatter.format(tokens[self.sent:upto], self.entries[self.sent:upto])
+        self.sent = upto
+        return part
 
 
 # ---- streaming: safe text deltas and server-sent-event chunks ----
@@ -160,6 +425,13 @@ def _pending_stop(text: str, stops: list[str]) -> int:
     return start
 
 
+class TextDelta(str):
+    """A text delta that also says how many leading tokens of the stream its text completes
+    (``covered``), so the chunk sending it can carry those tokens' log-probabilities."""
+
+    covered: int = 0
+
+
 class TextStream:
     """Incremental detokenization of a generation's committed tokens, honouring stop sequences.
 
@@ -168,17 +440,34 @@ class TextStream:
     safe to send: never half a multi-byte character (a trailing U+FFFD waits for its next bytes), no
     trailing whitespace (a clean-up may still rewrite " ." as "."), never text that may be part of a
     stop sequence. ``stopped`` turns True once a stop sequence is certain; ``finish`` settles the rest
-    with ``completion_text``, so the streamed text equals the non-streamed one."""
+    with ``completion_text``, so the streamed text equals the non-streamed one. With ``track_tokens``
+    each delta is a ``TextDelta`` saying how many tokens the text sent so far covers (a few extra
+    decodes per round, only for streams that asked for log-probabilities)."""
 
-    def __init__(self, tokenizer: Any, stop_ids: list[int], stops: list[str]):
+    def __init__(self, tokenizer: Any, stop_ids: list[int], stops: list[str], track_tokens: bool = False,
+                 emit: bool = True):
         self.tokenizer, self.stop_ids, self.stops = tokenizer, list(stop_ids), stops
         self.tokens: list[int] = []
         self.sent, self.stopped = "", False
+        self.track_tokens, self.covered = track_tokens, 0
+        self.emit = emit  # False (a non-streaming request): decode only to watch for stop sequences
+
+    def _cover(self, body: list[int]) -> int:
+        """The most leading tokens whose text is a prefix of the text sent (binary search from the
+        last answer: a longer prefix of tokens only ever decodes to a longer text)."""
+        low, high = self.covered, len(body)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.sent.startswith(self.tokenizer.decode(body[:mid], skip_special_tokens=True)):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def push(self, tokens: list[int]) -> str:
         """Add a round's tokens; returns the new text that is safe to send ('' when none)."""
         self.tokens += tokens
-        if self.stopped:
+        if self.stopped or not (self.emit or self.stops):
             return ""
         body = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.stop_ids else self.tokens
         text = self.tokenizer.decode(body, skip_special_tokens=True).rstrip("\ufffd")
@@ -190,7 +479,9 @@ class TextStream:
             ready = text[: min(pending, len(text.rstrip()))]
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
             return ""  # nothing new, or the decoded prefix changed: wait, ``finish`` settles it
-        delta, self.sent = ready[len(self.sent):], ready
+        delta, self.sent = TextDelta(ready[len(self.sent):]), ready
+        if self.track_tokens:
+            self.covered = delta.covered = self._cover(body)
         return delta
 
     def finish(self) -> tuple[str, int, bool]:
@@ -206,27 +497,43 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_chunk(head: dict, chat: bool, delta: dict[str, str], finish_reason: str | None = None,
-              extra: dict | None = None) -> str:
-    """One OpenAI stream chunk: a chat ``delta`` ({"role"}/{"content"}) or a completion's ``text``;
-    the final one carries ``finish_reason`` and ``extra`` (usage, the speculative block)."""
+              extra: dict | None = None, logprobs: dict | None = None) -> str:
+    """One OpenAI stream chunk: a chat ``delta`` ({"role"}/{"content"}) or a completion's ``text``,
+    with the ``logprobs`` of its tokens when asked; the final one carries ``finish_reason`` and
+    ``extra`` (usage, the speculative block)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    choice = ({"index": 0, "delta": delta, "finish_reason": finish_reason} if chat else
-              {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": None})
+    choice = ({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if chat else
+              {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": logprobs})
     return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **(extra or {})})}\n\n"
 
 
+def usage_chunk(head: dict, chat: bool, extra: dict) -> str:
+    """``stream_options.include_usage``: the extra last chunk, ``choices: []`` and the usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': extra['usage']})}\n\n"
+
+
 async def sse_stream(items: AsyncIterator[Any], text: TextStream, head: dict, chat: bool,
-                     tail: Callable[[Any, int, bool], tuple[str, dict]]) -> AsyncIterator[str]:
+                     tail: Callable[[Any, int, bool], tuple[str, dict]], logprobs: StreamLogprobs | None = None,
+                     include_usage: bool = False) -> AsyncIterator[str]:
     """A stream's events: (chat) the role chunk, one chunk per text delta the moment ``items`` yields it,
     then the final chunk with ``tail(result, completion_tokens, hit_stop)`` = (finish_reason, extra
-    fields), where ``result`` is the last item, and [DONE]. Closing this closes ``items``."""
+    fields), where ``result`` is the last item, and [DONE]. Closing this closes ``items``.
+
+    ``logprobs``: each chunk carries the log-probabilities of the tokens its text completes
+    (``TextDelta.covered``), the last text chunk (or the final chunk) the rest. ``include_usage``
+    (OpenAI's stream_options): every chunk has ``usage: null`` and an extra chunk before [DONE]
+    carries the usage; otherwise the final chunk carries it (this server's default)."""
+    if include_usage:
+        head = {**head, "usage": None}
     if chat:
         yield sse_chunk(head, chat, {"role": "assistant", "content": ""})
     try:
         async with contextlib.aclosing(items):
             async for item in items:
                 if isinstance(item, str):
-                    yield sse_chunk(head, chat, {"content": item})
+                    part = logprobs.take(text.tokens, getattr(item, "covered", 0)) if logprobs else None
+                    yield sse_chunk(head, chat, {"content": item}, logprobs=part)
                 else:
                     result = item
     except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
@@ -234,8 +541,13 @@ async def sse_stream(items: AsyncIterator[Any], text: TextStream, head: dict, ch
         yield f"data: {json.dumps(ApiError(f'internal error: {error}', kind='server_error').body())}\n\n"
         return
     delta, n_tokens, hit = text.finish()
+    rest = (logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids))
+            if logprobs else None)
     if delta:
-        yield sse_chunk(head, chat, {"content": delta})
+        yield sse_chunk(head, chat, {"content": delta}, logprobs=rest)
+        rest = None
     finish, extra = tail(result, n_tokens, hit)
-    yield sse_chunk(head, chat, {}, finish, extra)
+    yield sse_chunk(head, chat, {}, finish, {**extra, "usage": None} if include_usage else extra, rest)
+    if include_usage:
+        yield usage_chunk(head, chat, extra)
     yield SSE_DONE

@@ -5,48 +5,58 @@ pipeline.serve:app_builder config=...``); ``start_serve(cfg) -> url`` / ``stop_s
 and jobs; ``run_serve(cfg)`` is ``griffin serve`` (prints the URL, blocks until Ctrl-C).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream: true`` = server-sent events in
-OpenAI's chunk format, ending with ``data: [DONE]``), GET /v1/models, GET /health. Every completion
-carries ``usage`` and a ``speculative`` block (rounds = target verification passes, accepted draft
-tokens, acceptance length tau = sum(accepted + 1) / rounds). Extension: ``"speculative": false``
-decodes without the draft, for A/B comparisons through the endpoint. Bad input -> HTTP 4xx with an
-OpenAI error body naming the field; the replica keeps serving.
+OpenAI's chunk format, ending with ``data: [DONE]``), GET /v1/models, GET /health, GET /stats. Every
+completion carries ``usage`` and a ``speculative`` block (rounds = target verification passes, accepted
+draft tokens, acceptance length tau = sum(accepted + 1) / rounds; ``token_ids`` on request).
+Extension: ``"speculative": false`` decodes without the draft, for A/B comparisons through the
+endpoint. Bad input -> HTTP 4xx with an OpenAI error body naming the field, never a 500; the replica
+keeps serving. docs/serving.md is the user's guide (bad-input table, config knobs, metrics).
 
 Decoding is batch 1: a replica decodes one request at a time under a lock, in a worker thread, so the
-event loop stays free for /health and queued requests; scale with replicas or autoscaling. Streams are
-live: the decode's per-round ``on_tokens`` callback detokenizes in the worker and hands text deltas to
-the event loop, which sends each as a chunk at once; a stop sequence or a client that goes away ends
-the decode at its next round.
+event loop stays free for /health and queued requests; scale with replicas or autoscaling. A replica
+admits ``serve.max_ongoing_requests`` completions (one decoding, the rest queued on the lock) and
+sheds the next with 503/429 + Retry-After before reading its body; bodies over
+``serve.max_body_bytes`` get 413; parsing and tokenization run in worker threads. Streams are live:
+the decode's per-round ``on_tokens`` callback detokenizes in the worker and hands text deltas to the
+event loop, which sends each as a chunk at once. A stop sequence, a client that goes away (streaming
+or not) or Serve's request timeout ends the decode at its next round; a request abandoned while
+queued never decodes. Metrics: ``ServeMetrics`` (Prometheus through Ray).
 """
 
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
 from griffin.config import SamplingConfig
-from griffin.decode import (GenerationResult, GenerationStats, TokenCallback, speculative_generate,
+from griffin.decode import (GenerationResult, GenerationStats, LogprobRecorder, TokenCallback, speculative_generate,
                             vanilla_generate)
 from pipeline.config import RunConfig, config_from_dict, load_config
-from pipeline.openai_api import (ApiError, ChatRequest, CompletionRequest, SamplingRequest, TextStream,
-                                 completion_text, parse_request, render_chat, speculative_block, sse_stream,
-                                 stop_sequences)
+from pipeline.openai_api import (ApiError, ChatRequest, CompletionRequest, LogprobFormatter, SamplingRequest,
+                                 StreamLogprobs, TextStream, completion_text, content_tokens, encode, parse_request,
+                                 render_chat, speculative_block, sse_stream, stop_sequences)
 
 logger = logging.getLogger("ray.serve")
 APP_NAME = "griffin"
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 api = FastAPI(title="GRIFFIN speculative decoding")
 
 
@@ -67,10 +77,13 @@ def _result_from_rounds(rounds: list[list[int]]) -> GenerationResult:
 
 
 async def stream_rounds(run: Callable[[TokenCallback], GenerationResult], text: TextStream,
-                        max_new: int) -> AsyncIterator[str | GenerationResult]:
-    """Runs ``run(on_tokens)`` (the decode) in a worker thread; yields each round's text delta as soon
-    as it is committed, then the GenerationResult. The decode ends early once ``text`` has met a stop
-    sequence or this iterator is closed (the client went away), so the lock is not held for nothing."""
+                        max_new: int, lock: asyncio.Lock | None = None) -> AsyncIterator[str | GenerationResult]:
+    """Runs ``run(on_tokens)`` (the decode) in a worker thread once ``lock`` (the replica's decode lock,
+    first come first served) is free; yields each round's text delta as soon as it is committed, then
+    the GenerationResult. The decode ends early once ``text`` has met a stop sequence or this iterator
+    is closed or cancelled (the client went away, the request timed out): at its next round, or before
+    it starts when that happens while waiting for the lock, so the lock is not held for nothing. Every
+    request, streaming or not, decodes through here: one mechanism for stopping early."""
     loop, queue, closed, rounds = asyncio.get_running_loop(), asyncio.Queue(), threading.Event(), []
 
     def post(item: Any) -> None:
@@ -93,8 +106,14 @@ async def stream_rounds(run: Callable[[TokenCallback], GenerationResult], text: 
             outcome = _result_from_rounds(rounds)
         except BaseException as error:  # re-raised in the event loop, where the stream reports it
             outcome = error
+        finally:
+            if lock is not None:  # the next decode may start only once this one is really over
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(lock.release)
         post(outcome)
 
+    if lock is not None:
+        await lock.acquire()  # cancelled or closed while waiting: nothing ran, nothing to release
     loop.run_in_executor(None, work)
     try:
         while isinstance(item := await queue.get(), str):
@@ -106,11 +125,218 @@ async def stream_rounds(run: Callable[[TokenCallback], GenerationResult], text: 
     yield item
 
 
+async def _last_item(items: AsyncIterator[Any]) -> Any:
+    """Drains ``items`` (a non-streaming request's decode) and returns its last item, the result."""
+    async with contextlib.aclosing(items):
+        async for item in items:
+            last = item
+    return last
+
+
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def until_done(items: AsyncIterator[Any], request: Request, poll_s: float = DISCONNECT_POLL_S) -> Any:
+    """A non-streaming request's result, watching its client meanwhile: when it disconnects (or this
+    coroutine is cancelled: Serve cancels a request whose client left or that timed out), the decode's
+    ``items`` are cancelled, which stops the decode at its next round (``stream_rounds``)."""
+    consumer = asyncio.ensure_future(_last_item(items))
+    try:
+        while True:
+            done, _ = await asyncio.wait({consumer}, timeout=poll_s)
+            if done:
+                return consumer.result()
+            if await _disconnected(request):
+                raise _ClientGone
+    finally:
+        consumer.cancel()  # a no-op once it is done
+
+
+async def _disconnected(request: Request) -> bool:
+    try:
+        return await request.is_disconnected()
+    except Exception:  # a receive channel that failed: Serve's own cancellation still applies
+        return False
+
+
+# ---- request bodies: bounded, read before anything else ----
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 when it exceeds ``limit`` bytes: at once from Content-Length, else
+    as soon as the chunks read so far pass the limit, so an oversized body is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise _too_large(declared, limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit}", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(f"the request body is {size} bytes; this server accepts at most {limit} bytes "
+                    "(serve.max_body_bytes): shorten the prompt", status=413, code="request_too_large")
+
+
+# ---- one request's decode, as the worker sees it: progress, stats and metrics ----
+class DecodeTrace:
+    """What one admitted request's decode did and when (``time.monotonic`` seconds): written by the
+    worker at each round, read by /stats, the metrics and ``check_health`` (a wedged decode is one
+    whose last round is long ago)."""
+
+    def __init__(self, arrived: float, max_new: int, speculative: bool, stream: bool):
+        self.arrived, self.max_new, self.speculative, self.stream = arrived, max_new, speculative, stream
+        self.started: float | None = None  # the decode lock was taken, the prefill begins
+        self.first_token: float | None = None
+        self.last_progress: float | None = None
+        self.ended: float | None = None
+        self.rounds: list[list[int]] = []
+        self.outcome = "waiting"  # -> decoding -> finished | stop_sequence | abandoned | error
+
+    def start(self) -> None:
+        self.started = self.last_progress = time.monotonic()
+        self.outcome = "decoding"
+
+    def round(self, tokens: list[int]) -> None:
+        now = time.monotonic()
+        self.first_token = self.first_token or now
+        self.last_progress = now
+        self.rounds.append(tokens)
+
+    def end(self, outcome: str) -> None:
+        self.ended, self.outcome = time.monotonic(), outcome
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able record for /stats."""
+        def since(moment: float | None, start: float | None) -> float | None:
+            return None if moment is None or start is None else round(moment - start, 4)
+
+        return {"outcome": self.outcome, "stream": self.stream, "speculative": self.speculative,
+                "max_tokens": self.max_new, "tokens": self.tokens, "rounds": max(len(self.rounds) - 1, 0),
+                "queued_s": since(self.started, self.arrived), "ttft_s": since(self.first_token, self.arrived),
+                "latency_s": since(self.ended, self.arrived)}
+
+
+def check_progress(trace: DecodeTrace | None, limit_s: float, now: float | None = None) -> None:
+    """Serve's health check: raises when the running decode has made no round for ``limit_s`` (a
+    wedged replica: Serve kills and replaces it). An idle replica is healthy."""
+    if trace is None or trace.last_progress is None or trace.ended is not None:
+        return
+    stalled = (time.monotonic() if now is None else now) - trace.last_progress
+    if stalled > limit_s:
+        raise RuntimeError(f"the running decode made no progress for {stalled:.0f}s (serve.stall_timeout_s="
+                           f"{limit_s:g}): the replica is wedged")
+
+
+LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+RATE_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+
+
+class ServeMetrics:
+    """Prometheus metrics through Ray (``ray.serve.metrics`` adds the deployment, replica and
+    application tags; Ray exports them on each node's metrics export port with a ``ray_`` prefix and,
+    for counters, a ``_total`` suffix). Spec-decode counters are named after vLLM's
+    (``vllm:spec_decode_num_drafts`` ...): drafts = verification rounds, draft tokens = the tree's
+    draft nodes verified per round, accepted tokens, and accepted tokens per position (a ``position``
+    tag: how often the k-th draft token of a round was accepted). Mean acceptance length =
+    1 + accepted / drafts."""
+
+    def __init__(self, model: str, draft_tokens_per_round: int):
+        from ray.serve import metrics
+
+        self.draft_tokens_per_round = draft_tokens_per_round
+        tags = ("model",)
+        self.drafts = metrics.Counter("griffin_spec_decode_num_drafts", "Speculative rounds (target verification "
+                                      "passes with a draft tree).", tags)
+        self.draft_tokens = metrics.Counter("griffin_spec_decode_num_draft_tokens", "Draft tokens verified "
+                                            "(tree nodes below the root, per round).", tags)
+        self.accepted = metrics.Counter("griffin_spec_decode_num_accepted_tokens", "Draft tokens accepted.", tags)
+        self.per_position = metrics.Counter("griffin_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                            "accepted at each depth of the accepted path.", (*tags, "position"))
+        self.latency = metrics.Histogram("griffin_e2e_request_latency_seconds", "Arrival to last token.",
+                                         LATENCY_BUCKETS, tags)
+        self.ttft = metrics.Histogram("griffin_time_to_first_token_seconds", "Arrival to the first token "
+                                      "(queueing and prefill included).", TTFT_BUCKETS, tags)
+        self.rate = metrics.Histogram("griffin_output_tokens_per_second", "Completion tokens per second of "
+                                      "decode (prefill included, queueing not).", RATE_BUCKETS, tags)
+        self.waiting = metrics.Gauge("griffin_num_requests_waiting", "Admitted completions waiting for the "
+                                     "decode (the replica's queue).", tags)
+        self.running = metrics.Gauge("griffin_num_requests_running", "Completions decoding.", tags)
+        self.shed = metrics.Counter("griffin_num_requests_shed", "Completions refused with 503/429 because "
+                                    "the replica's queue was full.", tags)
+        for metric in (self.drafts, self.draft_tokens, self.accepted, self.per_position, self.latency, self.ttft,
+                       self.rate, self.waiting, self.running, self.shed):
+            metric.set_default_tags({"model": model})
+
+    def record(self, trace: DecodeTrace) -> None:
+        """One ended decode (abandoned ones too: their rounds ran)."""
+        accepted = [len(r) - 1 for r in trace.rounds[1:]]  # the first callback is the prefill's token
+        if trace.speculative and accepted:
+            self.drafts.inc(len(accepted))
+            self.draft_tokens.inc(len(accepted) * self.draft_tokens_per_round)
+            if sum(accepted):
+                self.accepted.inc(sum(accepted))
+            for position in range(max(accepted)):
+                hits = sum(a > position for a in accepted)
+                self.per_position.inc(hits, tags={"position": str(position)})
+        if trace.first_token is not None:
+            self.ttft.observe(trace.first_token - trace.arrived)
+        if trace.ended is not None:
+            self.latency.observe(trace.ended - trace.arrived)
+            if trace.started is not None and trace.ended > trace.started:
+                self.rate.observe(trace.tokens / (trace.ended - trace.started))
+
+    def queue(self, waiting: int, running: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+
+
+@dataclass
+class _Job:
+    """One parsed request and the objects its decode and answer share."""
+
+    req: SamplingRequest
+    chat: bool
+    prompt_ids: list[int]
+    max_new: int
+    stops: list[str]
+    head: dict[str, Any]
+    text: TextStream
+    recorder: LogprobRecorder | None
+    formatter: LogprobFormatter | None
+    trace: DecodeTrace
+
+
+class _Once:
+    """Calls ``action`` the first time it is called, never again (an admission slot's release)."""
+
+    def __init__(self, action: Callable[[], None]):
+        self.action: Callable[[], None] | None = action
+
+    def __call__(self) -> None:
+        action, self.action = self.action, None
+        if action is not None:
+            action()
+
+
 # ---- the deployment ----
 @serve.deployment
 @serve.ingress(api)
 class SpeculativeDecoder:
-    """One replica: the target and (when ``serve.draft_uri`` is set) a draft, one request at a time."""
+    """One replica: the target and (when ``serve.draft_uri`` is set) a draft, one decode at a time.
+
+    Admission: at most ``serve.max_ongoing_requests`` completions at once (one decoding, the rest
+    queued on the decode lock, first come first served); one more is shed at once with 503/429 +
+    Retry-After, before its body is read. Serve gives the replica ``control_slots`` more slots, so
+    /health, /v1/models, /stats and those rejections never queue behind completions."""
 
     def __init__(self, run_config: dict[str, Any]):
         from pipeline.resources import load_draft, load_target
@@ -121,13 +347,45 @@ class SpeculativeDecoder:
         self.draft = load_draft(self.draft_uri, self.target, cfg) if self.draft_uri else None
         self.model_id, self.tree = served_model_name(cfg), cfg.decode.tree
         self.default_max_tokens = cfg.serve.default_max_tokens
-        self.lock = threading.Lock()  # the model and its caches serve one decode at a time
+        self.limits = cfg.serve
+        self.decode_lock = asyncio.Lock()  # the model and its caches serve one decode at a time
+        self.admitted, self.shed = 0, 0
+        self.active: DecodeTrace | None = None  # the decode holding the lock
+        self.recent: collections.deque[DecodeTrace] = collections.deque(maxlen=64)
         self.created = int(time.time())
+        self.metrics = self._metrics()
         logger.info("serving %s with %s", self.model_id, f"draft {self.draft_uri}" if self.draft else "no draft")
 
+    def _metrics(self) -> ServeMetrics | None:
+        try:
+            return ServeMetrics(self.model_id, self.tree.total_tokens - 1 if self.draft is not None else 0)
+        except Exception:  # metrics are an aid: never a reason not to serve
+            logger.exception("Ray metrics unavailable; serving without them")
+            return None
+
+    # ---- cheap endpoints: never behind a decode ----
     @api.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok", "model": self.model_id}
+    async def health(self):
+        """Liveness for load balancers: answers from the event loop at once, 503 when the running
+        decode is wedged (the same test as Serve's ``check_health``)."""
+        try:
+            check_progress(self.active, self.limits.stall_timeout_s)
+        except RuntimeError as error:
+            return JSONResponse({"status": "wedged", "model": self.model_id, "detail": str(error)}, status_code=503)
+        return {"status": "ok", "model": self.model_id, "running": int(self.active is not None),
+                "waiting": self._waiting()}
+
+    async def check_health(self) -> None:
+        """Serve's replica health check (every health_check_period_s): a wedged decode fails it."""
+        check_progress(self.active, self.limits.stall_timeout_s)
+
+    @api.get("/stats")
+    async def stats(self) -> dict[str, Any]:
+        """The replica's counters and its recent requests (the Prometheus metrics, readable without Prometheus)."""
+        return {"model": self.model_id, "admitted": self.admitted, "running": int(self.active is not None),
+                "waiting": self._waiting(), "shed": self.shed, "max_ongoing_requests": self.limits.max_ongoing_requests,
+                "metrics_exported": self.metrics is not None,
+                "recent": [trace.summary() for trace in list(self.recent)]}  # a snapshot: workers append to it
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -137,6 +395,7 @@ class SpeculativeDecoder:
                 "tree": self.tree.model_dump(), "max_context": self.target.max_context}
         return {"object": "list", "data": [card]}
 
+    # ---- completions ----
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._complete(request, ChatRequest)
@@ -146,31 +405,143 @@ class SpeculativeDecoder:
         return await self._complete(request, CompletionRequest)
 
     async def _complete(self, request: Request, schema: type[SamplingRequest]):
+        """Admit (or shed), read and parse off the event loop, decode, answer. The admission slot is
+        released when the answer is complete: here, or when a stream ends."""
+        arrived = time.monotonic()
+        if self.admitted >= self.limits.max_ongoing_requests:
+            return self._shed_response()
+        self._admit(+1)
+        job: _Job | None = None
+        release = _Once(lambda: self._leave(job))
         try:
-            req = parse_request(await request.body(), schema)
-            stops = stop_sequences(req.stop)
-            prompt_ids, max_new = self._prepare(req)
-            chat = isinstance(req, ChatRequest)
-            head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                    "model": self.model_id}
-            tail = functools.partial(self._tail, len(prompt_ids), self._uses_draft(req))
-            if req.stream:
-                run = functools.partial(self._generate, req, prompt_ids, max_new)
-                text = TextStream(self.target.tokenizer, self.target.stop_token_ids, stops)
-                events = sse_stream(stream_rounds(run, text, max_new), text, head, chat, tail)
-                return StreamingResponse(events, media_type="text/event-stream")
-            result = await asyncio.to_thread(self._generate, req, prompt_ids, max_new)
+            raw = await read_body(request, self.limits.max_body_bytes)
+            # parsing a 1 MiB body, validating and tokenizing take milliseconds to seconds: not on the loop
+            job = await asyncio.to_thread(self._job, raw, schema, arrived)
+            if job.req.stream:
+                response = StreamingResponse(self._stream(job, release), media_type="text/event-stream")
+                weakref.finalize(response, release)  # a stream that never started still frees its slot
+                release = None
+                return response
+            return self._answer(job, await until_done(self._decode(job), request))
         except ApiError as error:
             return error.response()
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
         except Exception as error:  # a bug, not the client's fault: say so and keep serving
             logger.exception("generation failed")
             return ApiError(f"internal error: {error}", status=500, kind="server_error").response()
-        text, n_tokens, hit_stop = completion_text(self.target.tokenizer, result.tokens,
-                                                   self.target.stop_token_ids, stops)
-        finish, extra = tail(result, n_tokens, hit_stop)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice], **extra}
+        finally:
+            if release is not None:
+                release()
+
+    def _admit(self, change: int) -> None:
+        self.admitted += change
+        self._gauges()
+
+    def _leave(self, job: "_Job | None") -> None:
+        """An admitted request is done: free its slot; one that left before its decode began (client
+        gone or timed out while queued) is recorded as abandoned, with no round run."""
+        self._admit(-1)
+        if job is not None and job.trace.started is None:
+            job.trace.end("abandoned")
+            self.recent.append(job.trace)
+
+    def _waiting(self) -> int:
+        return self.admitted - int(self.active is not None)
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue(self._waiting(), int(self.active is not None))
+
+    def _shed_response(self):
+        """The replica's queue is full: refuse at once, with when to retry."""
+        self.shed += 1
+        if self.metrics is not None:
+            self.metrics.shed.inc()
+        retry = max(1, math.ceil(self.limits.retry_after_s))
+        return ApiError(f"the server is at capacity ({self.admitted} requests in progress on this replica); "
+                        f"retry after {retry}s", status=self.limits.shed_status, kind="server_error",
+                        code="server_overloaded", headers={"Retry-After": str(retry)}).response()
+
+    def _job(self, raw: bytes, schema: type[SamplingRequest], arrived: float) -> "_Job":
+        """Everything a decode and its answer need, from the raw body (blocking: a worker thread)."""
+        req = parse_request(raw, schema)
+        stops = stop_sequences(req.stop)
+        prompt_ids, max_new = self._prepare(req)
+        chat = isinstance(req, ChatRequest)
+        top = req.logprobs_top()
+        tokenizer = self.target.tokenizer
+        return _Job(
+            req=req, chat=chat, prompt_ids=prompt_ids, max_new=max_new, stops=stops,
+            head={"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                  "model": self.model_id},
+            text=TextStream(tokenizer, self.target.stop_token_ids, stops, track_tokens=req.stream and top is not None,
+                            emit=req.stream),
+            recorder=LogprobRecorder(top) if top is not None else None,
+            formatter=LogprobFormatter(tokenizer, chat, top) if top is not None else None,
+            trace=DecodeTrace(arrived, max_new, self._uses_draft(req), req.stream))
+
+    def _decode(self, job: "_Job") -> AsyncIterator[str | GenerationResult]:
+        """The job's decode as ``stream_rounds`` items, traced: progress for check_health, outcome,
+        stats and metrics once it ends (abandoned decodes included)."""
+        def run(on_tokens: TokenCallback) -> GenerationResult:
+            self.active = job.trace
+            job.trace.start()
+            self._gauges()
+
+            def traced(tokens: list[int]) -> None:
+                job.trace.round(tokens)
+                on_tokens(tokens)
+            outcome = "error"
+            try:
+                result = self._generate(job.req, job.prompt_ids, job.max_new, traced, job.recorder)
+                outcome = "finished"
+                return result
+            except _StopDecoding:
+                outcome = "stop_sequence" if job.text.stopped else "abandoned"
+                raise
+            finally:
+                job.trace.end(outcome)
+                self.active = None
+                self.recent.append(job.trace)
+                self._record(job.trace)
+        return stream_rounds(run, job.text, job.max_new, self.decode_lock)
+
+    def _record(self, trace: DecodeTrace) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.record(trace)
+            self._gauges()
+        except Exception:
+            logger.exception("recording metrics failed")
+
+    async def _stream(self, job: "_Job", release: "_Once") -> AsyncIterator[str]:
+        """A stream's events; its admission slot is released when the stream ends, however it ends."""
+        try:
+            logprobs = StreamLogprobs(job.formatter, job.recorder.entries) if job.recorder is not None else None
+            events = sse_stream(self._decode(job), job.text, job.head, job.chat, functools.partial(self._tail, job),
+                                logprobs, job.req.include_usage)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        finally:
+            release()
+
+    def _answer(self, job: "_Job", result: GenerationResult) -> dict[str, Any]:
+        """A non-streaming request's response body."""
+        stop_ids = self.target.stop_token_ids
+        text, n_tokens, hit_stop = completion_text(self.target.tokenizer, result.tokens, stop_ids, job.stops)
+        finish, extra = self._tail(job, result, n_tokens, hit_stop)
+        logprobs = None
+        if job.recorder is not None:
+            body = content_tokens(result.tokens, n_tokens, stop_ids)
+            logprobs = job.formatter.format(result.tokens[:body], job.recorder.entries[:body])
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                   "finish_reason": finish} if job.chat
+                  else {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
+        return {**job.head, "object": "chat.completion" if job.chat else "text_completion", "choices": [choice],
+                **extra}
 
     def _prepare(self, req: SamplingRequest) -> tuple[list[int], int]:
         """The prompt's token ids and the token budget, checked against the context window."""
@@ -180,7 +551,7 @@ class SpeculativeDecoder:
         tokenizer, field = self.target.tokenizer, "messages" if isinstance(req, ChatRequest) else "prompt"
         try:
             ids = (render_chat(tokenizer, [m.as_dict() for m in req.messages]) if isinstance(req, ChatRequest)
-                   else tokenizer(req.prompt)["input_ids"])
+                   else encode(tokenizer, req.prompt, add_special_tokens=True))  # a raw prompt: BOS as usual
         except Exception as error:  # a template may refuse e.g. a system message: the client's input
             raise ApiError(f"'{field}' could not be rendered with the chat template: {error}", field) from None
         context = self.target.max_context
@@ -188,38 +559,42 @@ class SpeculativeDecoder:
             raise ApiError(f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens "
                            f"(the context window is {context})", field)
         room = context - len(ids)
-        if req.max_tokens is None:
+        requested, name = req.token_budget()
+        if requested is None:
             return ids, min(self.default_max_tokens, room)
-        if req.max_tokens > room:
-            raise ApiError(f"'max_tokens'={req.max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
-                           f"context window of {context}; use at most {room}", "max_tokens")
-        return ids, req.max_tokens
+        if requested > room:
+            raise ApiError(f"'{name}'={requested} plus the prompt's {len(ids)} tokens exceeds the "
+                           f"context window of {context}; use at most {room}", name)
+        return ids, requested
 
     def _uses_draft(self, req: SamplingRequest) -> bool:
         return self.draft is not None and req.speculative
 
     def _generate(self, req: SamplingRequest, prompt_ids: list[int], max_new: int,
-                  on_tokens: TokenCallback | None = None) -> GenerationResult:
-        """The decode (blocking: run it in a worker thread); ``on_tokens`` gets each round's tokens."""
+                  on_tokens: TokenCallback | None = None, logprobs: LogprobRecorder | None = None) -> GenerationResult:
+        """The decode (blocking: a worker thread, under the decode lock); ``on_tokens`` gets each round's
+        tokens, ``logprobs`` (when asked) their log-probabilities."""
         # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
         temperature = req.temperature if req.temperature >= 1e-5 else 0.0
         sampling = SamplingConfig(temperature=temperature, top_p=req.top_p, top_k=req.top_k)
         device = self.target.device
         generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
         input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
-        with self.lock:
-            if self._uses_draft(req):
-                return speculative_generate(self.target, self.draft, input_ids, self.tree, sampling, max_new,
-                                            generator, on_tokens=on_tokens)
-            return vanilla_generate(self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens)
+        if self._uses_draft(req):
+            return speculative_generate(self.target, self.draft, input_ids, self.tree, sampling, max_new,
+                                        generator, on_tokens=on_tokens, logprobs=logprobs)
+        return vanilla_generate(self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens,
+                                logprobs=logprobs)
 
-    def _tail(self, prompt_tokens: int, used_draft: bool, result: GenerationResult, n_tokens: int,
-              hit_stop: bool) -> tuple[str, dict[str, Any]]:
+    def _tail(self, job: "_Job", result: GenerationResult, n_tokens: int, hit_stop: bool) -> tuple[str, dict[str, Any]]:
         """finish_reason, and the usage + speculative fields every response (or last chunk) ends with."""
         finish = "stop" if hit_stop or result.finish_reason == "stop" else "length"
+        prompt_tokens = len(job.prompt_ids)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
                  "total_tokens": prompt_tokens + n_tokens}
-        return finish, {"usage": usage, "speculative": speculative_block(result, used_draft, self.tree)}
+        ids = result.tokens[:n_tokens] if job.req.return_token_ids else None
+        return finish, {"usage": usage, "speculative": speculative_block(result, self._uses_draft(job.req), self.tree,
+                                                                         ids)}
 
 
 # ---- building and running the application ----
@@ -258,7 +633,11 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     scaling = ({"autoscaling_config": section.autoscaling} if section.autoscaling
                else {"num_replicas": section.num_replicas})
     return SpeculativeDecoder.options(
-        max_ongoing_requests=section.max_ongoing_requests,
+        # completions are admitted by the replica itself (its queue): the extra slots keep /health & co.
+        # from ever queueing behind them; Serve's own queue in front is bounded too
+        max_ongoing_requests=section.max_ongoing_requests + section.control_slots,
+        max_queued_requests=section.max_queued_requests,
+        backpressure_config={"status_code": section.shed_status, "retry_after_s": section.retry_after_s},
         ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus}, **scaling,
     ).bind(_portable(cfg))
 
@@ -273,7 +652,8 @@ def start_serve(cfg: RunConfig) -> str:
     from pipeline.runtime import ensure_ray
 
     ensure_ray(cfg)
-    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port,
+                              "request_timeout_s": cfg.serve.request_timeout_s})
     serve.run(app_builder(ServeArgs(run_config=cfg.resolved())), name=APP_NAME, route_prefix="/")
     return serve_url(cfg)
 

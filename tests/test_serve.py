@@ -368,7 +368,10 @@ def test_bench_serve_and_eval_through_serve(server, tmp_path):
     from pipeline.loadtest import run_bench_serve
 
     load = run_bench_serve(server.cfg, levels=(1, 2), requests_per_level=2, max_tokens=4)
-    assert load["errors"] == 0 and [level["requests"] for level in load["levels"]] == [2, 2]
+    assert load["errors"] == 0 and [level["requests"] for level in load["levels"]] == [2, 2, 2, 2]
+    assert [(level["mode"], level["concurrency"]) for level in load["levels"]] == [
+        ("speculative", 1), ("speculative", 2), ("vanilla", 1), ("vanilla", 2)]
+    assert all(level["ttft_p50_s"] <= level["latency_p50_s"] and level["shed_rate"] == 0 for level in load["levels"])
     assert (server.cfg.run_dir / "eval" / "serve_load.md").is_file()
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["Hi.", "More."]}) + "\n")
