@@ -16,6 +16,9 @@ from griffin.target import TargetAdapter
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# In-process tests run tiny models: their many small ops are fastest on one thread, and on a loaded
+# 2-core machine torch's spinning intra-op threads made them ~100x slower (timeouts).
+torch.set_num_threads(1)
 
 # Nothing outside the checkout: this process and every Python process the tests start (Ray workers,
 # `griffin` subprocesses, Serve replicas) log any file they open beside the checkout; the session

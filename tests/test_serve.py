@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,12 +26,10 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    import ray
-
+def server(tmp_path_factory, ray_local):
+    """A deployment on the suite's one local Ray (conftest), shut down after the module."""
     from pipeline.serve import start_serve, stop_serve
 
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     tmp = tmp_path_factory.mktemp("serve")
     target = load_target(load_config(TINY, [f"output_dir={tmp}"]).target)
     torch.manual_seed(0)
@@ -45,7 +42,6 @@ def server(tmp_path_factory):
             yield SimpleNamespace(client=client, cfg=cfg, target=target, draft_dir=draft_dir)
     finally:
         stop_serve()
-        ray.shutdown()
 
 
 def test_app_builder_loads_nothing(tmp_path):

@@ -10,7 +10,6 @@ abandoned decode ended before its budget): this runs on a noisy 2-core machine.
 
 import json
 import math
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,16 +36,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 GOOD = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
 BODY_LIMIT = 65536
 RETRY_AFTER = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """In-process decodes on one thread: on a loaded 2-core machine torch's two spinning intra-op
-    threads make the tiny models' many small ops ~100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- no server: the decode loop's log-probabilities ----
@@ -138,12 +127,10 @@ def test_wedged_decode_fails_the_health_check():
 
 # ---- the deployment ----
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    import ray
-
+def server(tmp_path_factory, ray_local):
+    """A deployment on the suite's one local Ray (conftest), shut down after the module."""
     from pipeline.serve import start_serve, stop_serve
 
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     tmp = tmp_path_factory.mktemp("battery")
     target = load_target(load_config(TINY, [f"output_dir={tmp}"]).target)
     torch.manual_seed(0)
@@ -157,7 +144,6 @@ def server(tmp_path_factory):
             yield SimpleNamespace(client=client, url=url, cfg=cfg, target=target)
     finally:
         stop_serve()
-        ray.shutdown()
 
 
 def post(server, body, path=CHAT, **kwargs):
