@@ -120,7 +120,8 @@ def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
     return reason
 
 
-def _now(device: torch.device) -> float:
+def device_time(device: torch.device) -> float:
+    """A wall-clock reading after the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -144,17 +145,17 @@ def vanilla_generate(
     stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     stats, out, device = GenerationStats(), [], target.device
     cache = target.new_cache(input_ids.shape[1] + max_new_tokens)
-    start = _now(device)
+    start = device_time(device)
     _, logits = target.forward(input_ids.to(device), cache, all_logits=False)  # (1, 1, V)
     token = next_token(logits[0, -1], sampling, generator)
-    stats.prefill_time = _now(device) - start
+    stats.prefill_time = device_time(device) - start
     reason = _append(out, [token], stop, max_new_tokens, on_tokens, logprobs,
                      lambda: logprobs.score(logits[0, -1:], [token]))
     while reason is None:
-        start = _now(device)
+        start = device_time(device)
         _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)  # (1, 1, V)
         token = next_token(logits[0, -1], sampling, generator)
-        stats.verify_time += _now(device) - start
+        stats.verify_time += device_time(device) - start
         stats.rounds += 1
         stats.accepted_per_round.append(0)
         reason = _append(out, [token], stop, max_new_tokens, on_tokens, logprobs,
@@ -189,20 +190,20 @@ def speculative_generate(
         device=device, dtype=draft.param_dtype,
     )
 
-    start = _now(device)
+    start = device_time(device)
     features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False)  # (1,T,D), (1,1,V)
     root = next_token(logits[0, -1], sampling, generator)
-    stats.prefill_time = _now(device) - start
+    stats.prefill_time = device_time(device) - start
     reason = _append(out, [root], stop, max_new_tokens, on_tokens, logprobs,
                      lambda: logprobs.score(logits[0, -1:], [root]))
     # Draft input pairs (f_p, x_{p+1}): features of the processed positions and the tokens after them.
     new_tokens = torch.cat([input_ids[0, 1:].to(device), torch.tensor([root], device=device)])  # (T,)
 
     while reason is None:
-        start = _now(device)
+        start = device_time(device)
         with record_function("griffin.draft_tree"):
             tree_nodes = draft_tree(draft, draft_cache, features, new_tokens[None], tree)
-        mid = _now(device)
+        mid = device_time(device)
         prefix_len = target_cache.length
         with record_function("griffin.verify_forward"):
             features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache)
@@ -211,7 +212,7 @@ def speculative_generate(
         accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
         with record_function("griffin.commit"):
             target.commit(target_cache, prefix_len, accepted)
-        end = _now(device)
+        end = device_time(device)
         stats.draft_time += mid - start
         stats.verify_time += end - mid
         stats.round_seconds.append((mid - start, end - mid))

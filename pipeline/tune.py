@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import _now, speculative_generate, vanilla_generate
+from griffin.decode import device_time, speculative_generate, vanilla_generate
 from pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -66,10 +66,10 @@ def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> 
         for n in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:  # rotate the order
             tokens = torch.randint(0, target.vocab_size, (n,), generator=generator)
             chain = torch.tril(torch.ones(n, n, dtype=torch.bool))  # (N, N) ancestor-or-self
-            start = _now(target.device)
+            start = device_time(target.device)
             target.verify(tokens, torch.arange(n), chain, cache)
             if rep:
-                timings[n].append(_now(target.device) - start)
+                timings[n].append(device_time(target.device) - start)
             target.commit(cache, CURVE_PREFIX, torch.empty(0, dtype=torch.long))  # roll back to the prefix
     return {n: 1e3 * median(values) for n, values in timings.items()}
 
