@@ -72,27 +72,29 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
 def test_interrupted_run_resumes_without_duplicates(tmp_path):
     """Kill `griffin run` once training has checkpointed; the rerun finishes from there."""
     args = ["run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "kill"),
-            "train.schedule=[{stage: 1, steps: 8, lr: 0.003}]", "train.checkpoint_every=2",
+            "train.schedule=[{stage: 1, steps: 40, lr: 0.003}]", "train.checkpoint_every=4",
             "eval.through_serve=false", "eval.num_questions=1", "eval.max_new_tokens=4"]  # Serve: the other test
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen([*GRIFFIN, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpt_root = tmp_path / "kill" / "ray_train" / "kill-stage1"
+    # kill once Ray Train has recorded a checkpoint (its manager snapshot lists it): a checkpoint
+    # folder alone is not yet one that a rerun restores
+    snapshot = tmp_path / "kill" / "ray_train" / "kill-stage1" / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 400
-    while time.time() < deadline and not [p for p in ckpt_root.glob("checkpoint_2*") if p.is_dir()]:
-        time.sleep(0.5)
+    while time.time() < deadline and "checkpoint_" not in (snapshot.read_text() if snapshot.is_file() else ""):
+        time.sleep(0.05)
     assert proc.poll() is None, "griffin run ended before it could be interrupted"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     log = tmp_path / "kill" / "train" / "stage1" / "data_rank0.jsonl"
     steps_before = [json.loads(x)["step"] for x in log.read_text().splitlines()]
-    assert 2 <= max(steps_before) < 8
+    assert 4 <= max(steps_before) < 40
 
     rerun = griffin(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in log.read_text().splitlines()]
     resumed = steps[len(steps_before):]
-    assert resumed[0] > 1 and resumed[-1] == 8  # continued from a checkpoint, not from step 1
+    assert resumed[0] > 1 and resumed[-1] == 40  # continued from a checkpoint, not from step 1
     from pipeline.store import part_files, read_manifest
     import pyarrow.parquet as pq
 
