@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,6 +38,31 @@ if getattr(_audit, "_hook", None) is None:  # another sitecustomize was imported
 
     spec = importlib.util.spec_from_file_location("griffin_audit", AUDIT / "sitecustomize.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@contextlib.contextmanager
+def tiny_deployment(tmp: Path, *overrides: str):
+    """Serve the tiny target with a random draft (lineage recorded) on the session's Ray; yields
+    (url, httpx client, config, target, draft directory) and shuts the application down after."""
+    import httpx
+
+    from griffin.model import GriffinDraft
+    from pipeline.config import load_config
+    from pipeline.resources import load_target, save_draft
+    from pipeline.serve import start_serve, stop_serve
+
+    tiny = REPO / "jobs" / "configs" / "tiny.yaml"
+    target = load_target(load_config(tiny, [f"output_dir={tmp}"]).target)
+    torch.manual_seed(0)
+    draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft", target)
+    cfg = load_config(tiny, [f"output_dir={tmp}", f"serve.draft_uri={draft_dir}", f"serve.port={free_port()}",
+                             "cluster.num_cpus=2", *overrides])
+    url = start_serve(cfg)
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            yield SimpleNamespace(client=client, url=url, cfg=cfg, target=target, draft_dir=draft_dir)
+    finally:
+        stop_serve()
 
 
 def pytest_collection_modifyitems(config, items):

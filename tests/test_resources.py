@@ -84,7 +84,7 @@ def test_the_audit_hook_logs_opens_beside_the_checkout(tmp_path):
     sys.path.insert(0, str(AUDIT))
     from sitecustomize import outside_checkout
 
-    assert outside_checkout(str(REPO.parent / "shared" / "data" / "x.jsonl"), str(REPO))
+    assert outside_checkout(str(REPO.parent / "a-sibling" / "data" / "x.jsonl"), str(REPO))
     assert not outside_checkout(str(REPO / "pipeline" / "data" / "mt_bench.jsonl"), str(REPO))
     log = tmp_path / "log"
     env = {**os.environ, "GRIFFIN_AUDIT_LOG": str(log)}

@@ -5,20 +5,14 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
-
-import httpx
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import tiny_deployment
 
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, GenerationStats, vanilla_generate
-from griffin.model import GriffinDraft
-from pipeline.config import load_config
 from pipeline.openai_api import TextStream, completion_text, render_chat, sse_stream
-from pipeline.resources import load_target, save_draft
 from pipeline.targets import tiny_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
@@ -28,20 +22,8 @@ CHAT = "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, ray_local):
     """A deployment on the suite's one local Ray (conftest), shut down after the module."""
-    from pipeline.serve import start_serve, stop_serve
-
-    tmp = tmp_path_factory.mktemp("serve")
-    target = load_target(load_config(TINY, [f"output_dir={tmp}"]).target)
-    torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft", target)
-    cfg = load_config(TINY, [f"output_dir={tmp}", f"serve.draft_uri={draft_dir}", f"serve.port={free_port()}",
-                             "cluster.num_cpus=2", "serve.max_ongoing_requests=8"])
-    url = start_serve(cfg)
-    try:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield SimpleNamespace(client=client, cfg=cfg, target=target, draft_dir=draft_dir)
-    finally:
-        stop_serve()
+    with tiny_deployment(tmp_path_factory.mktemp("serve"), "serve.max_ongoing_requests=8") as deployment:
+        yield deployment
 
 
 def test_app_builder_loads_nothing(tmp_path):

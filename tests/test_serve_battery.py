@@ -14,23 +14,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
-from tests.conftest import OracleDraft, free_port, make_target
+from tests.conftest import OracleDraft, make_target, tiny_deployment
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import LogprobRecorder, speculative_generate, vanilla_generate
 from griffin.model import GriffinDraft
-from pipeline.config import load_config
 from pipeline.openai_api import encode, render_chat
-from pipeline.resources import load_target, save_draft
 from pipeline.targets import tiny_tokenizer
 
-TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
 GOOD = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
@@ -129,21 +125,10 @@ def test_wedged_decode_fails_the_health_check():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, ray_local):
     """A deployment on the suite's one local Ray (conftest), shut down after the module."""
-    from pipeline.serve import start_serve, stop_serve
-
-    tmp = tmp_path_factory.mktemp("battery")
-    target = load_target(load_config(TINY, [f"output_dir={tmp}"]).target)
-    torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft", target)
-    cfg = load_config(TINY, [f"output_dir={tmp}", f"serve.draft_uri={draft_dir}", f"serve.port={free_port()}",
-                             "cluster.num_cpus=2", "serve.max_ongoing_requests=2", "serve.max_queued_requests=1",
-                             f"serve.max_body_bytes={BODY_LIMIT}", f"serve.retry_after_s={RETRY_AFTER}"])
-    url = start_serve(cfg)
-    try:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield SimpleNamespace(client=client, url=url, cfg=cfg, target=target)
-    finally:
-        stop_serve()
+    with tiny_deployment(tmp_path_factory.mktemp("battery"), "serve.max_ongoing_requests=2",
+                         "serve.max_queued_requests=1", f"serve.max_body_bytes={BODY_LIMIT}",
+                         f"serve.retry_after_s={RETRY_AFTER}") as deployment:
+        yield deployment
 
 
 def post(server, body, path=CHAT, **kwargs):
