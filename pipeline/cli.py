@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("eval", "tune-tree"):
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
         if name == "tune-tree":
-            p.add_argument("--prompts", type=int, help="calibration prompts (default 4)")
-            p.add_argument("--max-new-tokens", type=int, help="tokens per calibration prompt (default 64)")
+            p.add_argument("--prompts", type=int, help="calibration prompts (default decode.tune_prompts)")
+            p.add_argument("--max-new-tokens", type=int, help="tokens per calibration prompt (default decode.tune_max_new_tokens)")
     return parser
 
 

@@ -174,6 +174,10 @@ class DecodeSection(Section):
     """How the target decodes with a draft: the one tree that serve and eval use."""
 
     tree: TreeConfig = Field(default_factory=TreeConfig)
+    tune: bool = Field(default=False, description="griffin run: pick the tree with griffin tune-tree on this machine "
+                       "(calibration prompts the evaluation never uses) and evaluate with it")
+    tune_prompts: int = Field(default=4, ge=1, description="tune-tree's calibration prompts")
+    tune_max_new_tokens: int = Field(default=64, ge=1, description="tune-tree's tokens per calibration prompt")
 
 
 class EvalSection(Section):

@@ -1,10 +1,12 @@
 """``griffin run -c CONFIG``: every stage end to end on one Ray cluster (local by default).
 
-target -> featurize -> train (stages 1..N) -> register (candidate) -> evaluate through Ray Serve
--> promote (champion if τ wins) -> results table. Every stage resumes instead of redoing: the
-store skips done sample ids, training skips completed stages and resumes an interrupted one from
-its checkpoint, registration is idempotent on the weights' hash, and the evaluation report of the
-same model version is reused.
+target -> [regenerate] -> featurize -> train (stages 1..N) -> register (candidate) -> [tune-tree]
+-> evaluate through Ray Serve -> promote (champion if τ wins) -> results table. ``regenerate`` runs
+when ``data.source`` is ``regenerated``; ``tune-tree`` when ``decode.tune`` is set, and the
+evaluation then decodes with the tree it picked. Every stage resumes instead of redoing: the
+regenerated set and the store skip done sample ids, training skips completed stages and resumes an
+interrupted one from its checkpoint, registration is idempotent on the weights' hash, a tuned tree
+of the same draft is reused, and so is the evaluation report of the same model version and tree.
 """
 
 from __future__ import annotations
@@ -16,20 +18,47 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.console import say
 
-STEPS = ["target", "featurize", "train", "register", "evaluate", "promote"]
+def steps(cfg: RunConfig) -> list[str]:
+    optional = {"regenerate": cfg.data.source == "regenerated", "tune-tree": cfg.decode.tune}
+    names = ["target", "regenerate", "featurize", "train", "register", "tune-tree", "evaluate", "promote"]
+    return [name for name in names if optional.get(name, True)]
 
 
-def _banner(index: int, started: float) -> None:
-    say(f"=== [{index + 1}/{len(STEPS)}] {STEPS[index]}  (t+{time.time() - started:.0f}s) ===")
+class Banners:
+    def __init__(self, cfg: RunConfig):
+        self.steps, self.started = steps(cfg), time.time()
+
+    def __call__(self, name: str) -> None:
+        index = self.steps.index(name)
+        say(f"=== [{index + 1}/{len(self.steps)}] {name}  (t+{time.time() - self.started:.0f}s) ===")
 
 
 def _cached_eval(cfg: RunConfig, model_uri: str) -> dict[str, Any] | None:
     report = cfg.run_dir / "eval" / "report.json"
     if report.is_file():
         data = json.loads(report.read_text())
-        if data.get("draft") == model_uri:
+        if data.get("draft") == model_uri and data.get("tree") == cfg.eval_tree.model_dump():
             return data["summary"]
     return None
+
+
+def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
+    """``cfg`` decoding with the tree ``griffin tune-tree`` picks for this draft on this machine
+    (a finished tuning of the same draft is reused)."""
+    from griffin.config import TreeConfig
+    from pipeline.tune import run_tune_tree
+
+    report = cfg.run_dir / "tune_tree" / "tune_tree.json"
+    if report.is_file() and json.loads(report.read_text()).get("draft") == model_uri:
+        best = json.loads(report.read_text())["best"]
+        say(f"tune-tree for {model_uri} already in {report.parent}: reused")
+    else:
+        best = run_tune_tree(cfg, draft=model_uri)["best"]
+    tree = TreeConfig(**{name: best[name] for name in ("total_tokens", "depth", "top_k")})
+    say(f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
+        f"(τ {best['tau']:.2f} on the calibration prompts)")
+    return cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"tree": tree}),
+                                  "eval": cfg.eval.model_copy(update={"tree": None})})
 
 
 def results_table(summary: dict[str, Any]) -> str:
@@ -50,27 +79,36 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.resources import load_target
     from pipeline.train import run_train
 
-    started = time.time()
+    banner = Banners(cfg)
+    started = banner.started
     ensure_ray(cfg)
-    _banner(0, started)
+    banner("target")
     target = load_target(cfg.target)
     say(f"target {target.name}: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
         f"{target.dtype}, {target.device}")
     del target
-    _banner(1, started)
+    if "regenerate" in banner.steps:
+        from pipeline.regenerate import run_regenerate
+
+        banner("regenerate")
+        run_regenerate(cfg)
+    banner("featurize")
     featurized = run_featurize(cfg)
-    _banner(2, started)
+    banner("train")
     trained = run_train(cfg)
-    _banner(3, started)
+    banner("register")
     version = register(cfg, trained["best"])
     say(f"registered {version['model_uri']} (candidate; {'new' if version['created'] else 'already registered'})")
-    _banner(4, started)
+    if "tune-tree" in banner.steps:
+        banner("tune-tree")
+        cfg = _tuned(cfg, version["model_uri"])
+    banner("evaluate")
     summary = _cached_eval(cfg, version["model_uri"])
     if summary is None:
         summary = run_eval(cfg, draft=version["model_uri"])
     else:
         say(f"evaluation of {version['model_uri']} already in {cfg.run_dir / 'eval'}: reused")
-    _banner(5, started)
+    banner("promote")
     promotion = promote(cfg, version["version"])
     say(f"promotion: {'champion' if promotion['promoted'] else 'not promoted'} ({promotion['reason']})")
 

@@ -29,6 +29,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import device_time, speculative_generate, vanilla_generate
+from pipeline import console
 from pipeline.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -132,10 +133,13 @@ def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torc
     return prompts[:count]
 
 
-def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int = 4, max_new_tokens: int = 64) -> dict[str, Any]:
-    """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides."""
+def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None = None,
+                  max_new_tokens: int | None = None) -> dict[str, Any]:
+    """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides.
+    Calibration defaults to ``decode.tune_prompts`` x ``decode.tune_max_new_tokens``."""
     from pipeline.resources import draft_for_run, load_target
 
+    prompts, max_new_tokens = prompts or cfg.decode.tune_prompts, max_new_tokens or cfg.decode.tune_max_new_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     target = load_target(cfg.target, decoding=True)
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
@@ -143,8 +147,15 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int = 4, ma
     curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
     speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
-    best, ranked = coordinate_search(lambda tree: measure_tree(target, draft_model, calibration, tree, max_new_tokens),
-                                     cfg.eval_tree)
+    progress = console.Progress("tune-tree", 2 * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
+
+    def score(tree: TreeConfig) -> Candidate:
+        candidate = measure_tree(target, draft_model, calibration, tree, max_new_tokens)
+        progress.update(progress.done + 1, f"last τ {candidate.tau:.2f}")
+        return candidate
+
+    best, ranked = coordinate_search(score, cfg.eval_tree)
+    progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
     vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
     result = {"draft": draft_uri, "target": target.name, "prepacked": target.packed,
               "calibration": {"prompts": len(calibration), "max_new_tokens": max_new_tokens},
@@ -154,13 +165,15 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int = 4, ma
               "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")]}
     out = cfg.run_dir / "tune_tree"
     write_tune_report(out, result)
+    logger.info("tune-tree: best %s, expected %.2fx vanilla (%.1f tokens/s)", best, result["expected_speedup"], vanilla)
     print(f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "
           f"expected {best.tokens_per_s:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
           f"({vanilla:.1f} tokens/s)\nuse: {' '.join(result['overrides'])}\nreport: {out / 'tune_tree.md'}")
     if result["expected_speedup"] < 1.0:
         print("warning: no tree budget beats vanilla decoding with this draft on this machine: the draft's "
               "acceptance is too low for the cost of a draft + verify round here; train it longer or serve without it")
-    return {"best": asdict(best), "expected_speedup": round(result["expected_speedup"], 3), "report": str(out)}
+    return {"best": asdict(best), "tree": best.tree.model_dump(), "expected_speedup": round(result["expected_speedup"], 3),
+            "report": str(out)}
 
 
 def write_tune_report(out: Path, result: dict[str, Any]) -> None:

@@ -29,10 +29,13 @@ def overrides(tmp_path, name):
 
 @pytest.mark.timeout(900)
 def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
-    first = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"))
+    # every optional step too: the target's own answers as training data, the tree tuned here
+    steps = ["data.source=regenerated", "regenerate.max_new_tokens=24", "decode.tune=true", "decode.tune_prompts=1",
+             "decode.tune_max_new_tokens=8"]
+    first = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"), *steps)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
-    for step in ("target", "featurize", "train", "register", "evaluate", "promote"):
+    for step in ("target", "regenerate", "featurize", "train", "register", "tune-tree", "evaluate", "promote"):
         assert f"] {step}" in out
     assert "| dataset / T | τ (GRIFFIN)" in out and "mt_bench/T0" in out
     # the console is a line per stage; Ray's, MLflow's and the workers' output goes to the log it names
@@ -46,6 +49,10 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     assert json.loads((run_dir / "features" / "_manifest.json").read_text())["complete"] is True
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert report["mode"] == "through_serve" and report["summary"]["results"]["mt_bench/T0"]["mismatches"] == 0
+    tuned = json.loads((run_dir / "tune_tree" / "tune_tree.json").read_text())["best"]
+    assert report["tree"] == {k: tuned[k] for k in ("total_tokens", "depth", "top_k")}  # evaluated with the tuned tree
+    regenerated = json.loads((tmp_path / "tiny-llama-regenerated" / "_manifest.json").read_text())
+    assert regenerated["complete"] and regenerated["totals"]["rows"] > 0
     assert summary["promotion"]["promoted"] is True  # the first measured version becomes champion
 
     import mlflow
@@ -60,10 +67,10 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     assert float(tags["eval.mt_bench.T0.tau"]) >= 1.0 and tags["eval_run_id"]
     assert tags["eval_tree"] == f"{tree['total_tokens']}/{tree['depth']}/{tree['top_k']}"
 
-    second = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"))
+    second = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"), *steps)
     assert second.returncode == 0, second.stderr[-3000:]
     assert all(f"stage {j} already complete" in second.stdout for j in (1, 2, 3)), second.stdout
-    assert "(already complete)" in second.stdout
+    assert "(already complete)" in second.stdout and "tune-tree for" in second.stdout
     assert "reused" in second.stdout and len(second.stdout.splitlines()) < 40  # a console a person can read
     assert len(client.search_model_versions("name = 'tiny-llama-griffin'")) == 1
 
