@@ -1,5 +1,5 @@
 """``griffin regenerate``: the target writes its own answers to the training conversations
-(docs/method.md §3.1, self-distillation).
+(docs/method.md §3.6; the set's format: docs/design.md §5.1).
 
 A draft learns to predict the target, so it trains best on text the target itself would write, not
 on another model's answers. The driver selects the conversations of ``regenerate.source`` (any
