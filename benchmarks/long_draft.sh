@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The long-budget GRIFFIN draft that drafts/<target>/griffin ships: featurize -> train (all stages)
-# -> register -> tune-tree -> evaluate (T=0, MT-Bench + HumanEval, vs vanilla and HF generate) ->
+# -> register -> tune-tree -> evaluate (T=0 and T=1, the first $QUESTIONS (default 8) MT-Bench and HumanEval
+# questions, vs vanilla and HF generate) ->
 # griffin ship. Every step resumes or is skipped when done, so rerunning after a kill continues;
 # run it in the background: `nohup benchmarks/long_draft.sh > outputs/long_draft.log 2>&1 &`.
 #   benchmarks/long_draft.sh [config-name] [extra overrides...]
@@ -12,7 +13,8 @@ CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
 RUN=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').run_dir)")
 MODEL=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').model_name)")
-EVAL=("eval.temperatures=[0]" "eval.num_questions=4" "eval.max_new_tokens=128" "eval.baselines=[vanilla, hf_generate]")
+EVAL=("eval.temperatures=[0, 1]" "eval.num_questions=${QUESTIONS:-8}" "eval.max_new_tokens=128"
+      "eval.baselines=[vanilla, hf_generate]")
 
 $G featurize -c "$CFG" "$@"
 $G train -c "$CFG" "$@"

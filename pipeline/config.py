@@ -55,7 +55,8 @@ class RegenerateSection(Section):
     (``features.num_actors``, ``cpus_per_actor``, ...) and stops a conversation at ``data.max_len``."""
 
     source: str = Field(default="sharegpt", description="the prompts: any data.source form except 'regenerated'")
-    limit: int | None = Field(default=None, ge=1, description="conversations to regenerate (data.shuffle_seed order)")
+    limit: int | None = Field(default=None, ge=1, description="conversations to regenerate (data.shuffle_seed "
+                              "order); default data.limit, so that training gets that many")
     output: str | None = Field(default=None, description="path; default <output_dir>/<target-slug>-regenerated")
     temperature: float = Field(default=0.0, ge=0, le=5, description="0: greedy answers")
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -251,7 +252,8 @@ class RunConfig(Section):
     @property
     def prompt_data(self) -> DataSection:
         """What ``griffin regenerate`` answers: ``data``'s reading settings on ``regenerate.source``."""
-        return self.data.model_copy(update={"source": self.regenerate.source, "limit": self.regenerate.limit})
+        limit = self.regenerate.limit or self.data.limit
+        return self.data.model_copy(update={"source": self.regenerate.source, "limit": limit})
 
     @property
     def tracking_uri(self) -> str:

@@ -57,9 +57,9 @@ def _pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 class Regenerator:
     """Conversations -> the same user turns with the target's own answers. Usable without Ray.
 
-    ``settings``: temperature, top_p, max_new_tokens (per turn), batch_size, max_len (prompt +
-    answer tokens a conversation may reach; the turns beyond it are dropped, as training would
-    truncate them) and seed."""
+    ``settings``: temperature, top_p, max_new_tokens (per turn), batch_size and max_len (the
+    tokens a conversation may reach: training truncates there, so no turn starts past it and no
+    answer runs past it)."""
 
     def __init__(self, target: dict[str, Any], settings: dict[str, Any]):
         self.target = load_target(TargetSection(**target))
@@ -71,13 +71,15 @@ class Regenerator:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
         """One left-padded batch through HF ``generate``: each prompt's new tokens up to (without)
-        its first stop token, and whether a stop token ended it (False: cut at max_new_tokens)."""
+        its first stop token, and whether a stop token ended it (False: cut at max_new_tokens, or
+        where the longest prompt reaches max_len)."""
         ids, mask = _pad_left(prompts, self.pad_id)  # (B, P)
+        room = self.settings["max_len"] - max(len(p) for p in prompts)
         sampled = self.settings["temperature"] > 0
         torch.manual_seed(seed)
         out = self.target.model.generate(
             input_ids=ids.to(self.target.device), attention_mask=mask.to(self.target.device),
-            max_new_tokens=self.settings["max_new_tokens"], do_sample=sampled,
+            max_new_tokens=max(1, min(self.settings["max_new_tokens"], room)), do_sample=sampled,
             temperature=self.settings["temperature"] if sampled else None,
             top_p=self.settings["top_p"] if sampled else None, top_k=None,
             eos_token_id=self.stop_ids, pad_token_id=self.pad_id)[:, ids.shape[1]:].cpu()  # (B, N)
