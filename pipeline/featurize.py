@@ -202,34 +202,41 @@ class Progress:
 
 
 def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: Progress) -> None:
-    import ray
-
     ensure_ray(cfg)
     fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
     fingerprint = {k: key[k] for k in key if k not in ("layer", "post_norm", "dtype", "max_len", "system_prompt")}
+    run_part_actors(cfg, PartWriter, parts, cfg.store_path, manifest, progress, "featurization",
+                    dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
+                         batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint, fail_after=fail_after))
+
+
+def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: str, manifest: dict, progress: Any,
+                    what: str, constructor_kwargs: dict[str, Any]) -> None:
+    """A Ray Data pool of ``features.num_actors`` ``actor``s (featurize's resources) writes one part
+    per call; the driver records each finished part (``entry`` JSON: ``part``, ``skipped``) in
+    ``location``'s manifest as it arrives, so a kill loses no finished part (featurize, regenerate)."""
+    import ray
+
     # Start every actor before handing out parts: otherwise the first actor up (a target load takes
     # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
     # hanging, when the cluster cannot place the pool.
     ray.data.DataContext.get_current().wait_for_min_actors_s = 600
     # one block per part: each part is its own actor call, so finished parts stream back one by one
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
-        PartWriter, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
+        actor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
         num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
-        resources=cfg.features.resources or None,
-        fn_constructor_kwargs=dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
-                                   batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint,
-                                   fail_after=fail_after))
+        resources=cfg.features.resources or None, fn_constructor_kwargs=constructor_kwargs)
     try:
         for row in dataset.iter_rows():
             result = json.loads(row["entry"])
             manifest["files"] += [result["part"]] if result["part"] else []
             manifest["skipped"] += result["skipped"]
-            write_manifest(cfg.store_path, manifest)  # progress survives a kill
+            write_manifest(location, manifest)  # progress survives a kill
             progress.update(result)
-    except Exception as error:  # whatever stopped Ray, the store must say it is incomplete
-        write_manifest(cfg.store_path, manifest)
-        raise RuntimeError(f"featurization stopped ({root_cause(error)}); finished parts are kept in "
-                           f"{cfg.store_path}: rerun the same command to resume") from error
+    except Exception as error:  # whatever stopped Ray, the manifest must say it is incomplete
+        write_manifest(location, manifest)
+        raise RuntimeError(f"{what} stopped ({root_cause(error)}); finished parts are kept in {location}: rerun "
+                           "the same command to resume") from error
 
 
 def root_cause(error: BaseException) -> str:

@@ -32,6 +32,7 @@ import torch
 
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
+from pipeline.featurize import run_part_actors
 from pipeline.openai_api import render_chat
 from pipeline.resources import load_target, target_fingerprint
 from pipeline.runtime import ensure_ray
@@ -203,34 +204,15 @@ class Progress:
 
 
 def _regenerate_parts(cfg: RunConfig, parts: list[dict], fingerprint: dict, manifest: dict, progress: Progress) -> None:
-    import ray
-
-    from pipeline.featurize import root_cause
-
     ensure_ray(cfg)
     fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
     settings = {"temperature": cfg.regenerate.temperature, "top_p": cfg.regenerate.top_p,
                 "max_new_tokens": cfg.regenerate.max_new_tokens, "batch_size": cfg.regenerate.batch_size,
                 "max_len": cfg.data.max_len}
-    ray.data.DataContext.get_current().wait_for_min_actors_s = 600  # every actor up before parts go out
-    items = [{"part": json.dumps(part)} for part in parts]
-    dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        PartRegenerator, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(items))),
-        num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
-        resources=cfg.features.resources or None,
-        fn_constructor_kwargs=dict(target=cfg.target.model_dump(), settings=settings, out=cfg.regenerated_path,
-                                   fingerprint=fingerprint, fail_after=fail_after))
-    try:
-        for row in dataset.iter_rows():
-            result = json.loads(row["entry"])
-            manifest["files"] += [result["part"]] if result["part"] else []
-            manifest["skipped"] += result["skipped"]
-            write_manifest(cfg.regenerated_path, manifest)  # progress survives a kill
-            progress.update(result)
-    except Exception as error:
-        write_manifest(cfg.regenerated_path, manifest)
-        raise RuntimeError(f"regeneration stopped ({root_cause(error)}); finished parts are kept in "
-                           f"{cfg.regenerated_path}: rerun the same command to resume") from error
+    run_part_actors(cfg, PartRegenerator, [{"part": json.dumps(part)} for part in parts], cfg.regenerated_path,
+                    manifest, progress, "regeneration",
+                    dict(target=cfg.target.model_dump(), settings=settings, out=cfg.regenerated_path,
+                         fingerprint=fingerprint, fail_after=fail_after))
 
 
 def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
