@@ -185,9 +185,11 @@ def _read_progress(out: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def _console_progress(out: Path, stage: StageSection, stages: int) -> Iterator[Progress]:
-    """While ``fit`` runs: the stage's console line, fed from the progress file rank 0 writes."""
-    progress = Progress(f"train stage {stage.stage}/{stages}", stage.steps, "steps",
+def _console_progress(out: Path, stage: StageSection, stages: list[int]) -> Iterator[Progress]:
+    """While ``fit`` runs: the stage's console line, fed from the progress file rank 0 writes.
+    "stage 2/3" for a schedule of stages 1..3; "stage 3" for a schedule that is not (a fine-tune)."""
+    of = f"/{len(stages)}" if stages == list(range(1, len(stages) + 1)) else ""
+    progress = Progress(f"train stage {stage.stage}{of}", stage.steps, "steps",
                         initial=_read_progress(out).get("step", 0))  # a resumed stage starts near there
     stop = threading.Event()
 
@@ -242,7 +244,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
                                                checkpoint_score_order="max"),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
     )
-    with _console_progress(out, stage, len(cfg.train.schedule)) as progress:
+    with _console_progress(out, stage, [s.stage for s in cfg.train.schedule]) as progress:
         result = trainer.fit()
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
     progress.update(stage.steps)
