@@ -18,6 +18,11 @@ from griffin.target import TargetAdapter
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray Train's controller polls its workers every 2 s by default, and a worker's ray.train.report
+# waits until the previous report was polled: the tests' stages of a few steps spent most of their
+# training time waiting on polls. Propagated to the controller and the workers (and inherited by the
+# `griffin` subprocesses and the cluster test's nodes).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # In-process tests run tiny models: their many small ops are fastest on one thread, and on a loaded
 # 2-core machine torch's spinning intra-op threads made them ~100x slower (timeouts).
 torch.set_num_threads(1)

@@ -16,7 +16,10 @@ import pytest
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# A node drains for up to 30 s on SIGTERM (Serve's graceful hand-over) before it stops: off, the
+# fixture's teardown is seconds
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
