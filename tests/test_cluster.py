@@ -40,6 +40,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
+    # `ray start --head` records its address in Ray's address file (/tmp/ray/ray_current_cluster), and
+    # killed nodes leave it behind. Whatever auto-detects a cluster afterwards (Ray Train's placement
+    # group cleaner, in every later test's Ray Train run) then waits on the dead GCS: ~12 s a run.
+    from ray._common.utils import get_ray_address_file
+
+    address_file = Path(get_ray_address_file(None))
+    before = address_file.read_text() if address_file.is_file() else None
     gcs, dashboard = free_port(), free_port()
     # every agent port explicit and free: another Ray on this machine (a developer's run) holds the defaults,
     # and a head whose job agent cannot bind answers "No available agent to submit job" forever
@@ -57,6 +64,10 @@ def two_node_cluster():
     finally:
         for node in reversed(nodes):
             stop(node)
+        if before is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(before)
 
 
 def wait_for_dashboard(address: str) -> None:
