@@ -11,7 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Variant = Literal["griffin", "hass", "eagle"]
+Variant = Literal["griffin", "hass", "eagle", "eagle3", "griffin3"]
+# variants that read several target layers and train by training-time test alone (no feature loss)
+MULTI_LAYER_VARIANTS = ("eagle3", "griffin3")
+DecoderInput = Literal["fused", "concat"]
 LossWindow = Literal["draft", "reference"]  # griffin.losses.shift_batch
 
 
@@ -37,9 +40,26 @@ class DraftConfig(_Frozen):
     token_guided_fusion: bool = Field(default=True, description="TGF (§2.1); False = EAGLE's fc")
     token_enhanced_head: bool = Field(default=True, description="TEH (§2.2); False = one H output")
     fc_bias: bool = True
+    feature_layers: tuple[int, ...] | None = Field(
+        default=None, description="target hidden states read as the draft's input, as indices into HF's "
+        "hidden_states (0 = the embeddings, i = the output of layer i), concatenated and reduced to H by an "
+        "fc (EAGLE-3's low/mid/high fusion); None = the final post-norm feature")
+    decoder_input: DecoderInput = Field(
+        default="fused", description="'fused': the layer reads one H-wide fusion of embedding and feature "
+        "(EAGLE / GRIFFIN); 'concat': its attention reads [norm(embedding); norm(feature)], 2H wide, and the "
+        "feature is the residual (EAGLE-3)")
+    trainable_head: bool = Field(
+        default=False, description="a final norm and an LM head of the draft's own over the draft vocabulary, "
+        "initialised from the target's rows (EAGLE-3); False = the target's frozen head")
 
     @model_validator(mode="after")
     def _check(self) -> "DraftConfig":
+        if self.feature_layers is not None and (not self.feature_layers or min(self.feature_layers) < 0
+                                                or len(set(self.feature_layers)) != len(self.feature_layers)):
+            raise ValueError(f"feature_layers={self.feature_layers} must be distinct hidden-state indices >= 0")
+        if self.decoder_input == "concat" and self.token_guided_fusion:
+            raise ValueError("decoder_input='concat' (EAGLE-3's layer input) has no fusion for TGF to refine; "
+                             "use decoder_input='fused' with token_guided_fusion")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -61,10 +81,17 @@ class DraftConfig(_Frozen):
     def active_vocab_size(self) -> int:
         return self.draft_vocab_size or self.vocab_size
 
+    @property
+    def input_feature_size(self) -> int:
+        """Width of the target features the draft reads: k x H for k feature layers, else H."""
+        return self.hidden_size * (len(self.feature_layers) if self.feature_layers else 1)
+
     @classmethod
     def from_target(cls, hf_config: Any, variant: Variant = "griffin", **overrides: Any) -> "DraftConfig":
         """The faithful draft for a target (docs/method.md §2.5): width, heads, RoPE and eps copied;
-        full MHA as GRIFFIN's draft configs use; EAGLE/HASS drafts have neither TGF nor TEH."""
+        full MHA as GRIFFIN's draft configs use; EAGLE/HASS drafts have neither TGF nor TEH. EAGLE-3
+        reads layers 2, L/2 and L-3 through EAGLE-3's concatenated layer input and a trainable
+        head; GRIFFIN-3 reads the same layers through TGF and TEH, with the trainable head (§2.6)."""
         text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         rope = getattr(text_cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
@@ -78,11 +105,20 @@ class DraftConfig(_Frozen):
             rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6),
             rope_theta=float(theta or getattr(text_cfg, "rope_theta", None) or 10000.0),
             max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 2048),
-            token_guided_fusion=variant == "griffin",
-            token_enhanced_head=variant == "griffin",
+            token_guided_fusion=variant in ("griffin", "griffin3"),
+            token_enhanced_head=variant in ("griffin", "griffin3"),
         )
+        if variant in MULTI_LAYER_VARIANTS:
+            fields.update(feature_layers=default_feature_layers(text_cfg.num_hidden_layers), trainable_head=True,
+                          decoder_input="concat" if variant == "eagle3" else "fused")
         fields.update(overrides)
         return cls(**fields)
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, mid and high layers, 2, L/2 and L-3 (hidden_states indices), kept inside
+    [1, L]; e.g. 30 layers -> (2, 15, 27); a 2-layer test target -> (1, 2)."""
+    return tuple(sorted({min(max(i, 1), num_layers) for i in (2, num_layers // 2, num_layers - 3)}))
 
 
 class TreeConfig(_Frozen):
@@ -143,17 +179,21 @@ LATER_STAGE_LR = 3e-5
 
 
 class StagePlan(_Frozen):
-    """What one training stage runs per step. Stage j runs j harmonized passes; stages >= 2 add
-    HASS's top-k loss to every pass; GRIFFIN (not HASS or EAGLE) masks unaligned positions."""
+    """What one training stage runs per step. Stage j runs j harmonized passes (for EAGLE-3 and
+    GRIFFIN-3: j unrolled training-time-test steps); stages >= 2 add HASS's top-k loss to every pass
+    (not EAGLE-3's); GRIFFIN and GRIFFIN-3 mask unaligned positions; EAGLE-3 and GRIFFIN-3 have no
+    feature-regression loss (their token loss, forward KL to the target, stands alone)."""
 
     passes: int = Field(ge=1)
     lr: float = Field(gt=0.0)
     total_steps: int = Field(ge=1, description="the linear LR decay's length")
     topk_loss: bool
     alignment_mask: bool
+    feature_loss: bool = True
 
     @classmethod
     def for_stage(cls, stage: int, variant: Variant, steps: int, lr: float | None = None,
                   total_steps: int | None = None) -> "StagePlan":
         return cls(passes=stage, lr=lr or DEFAULT_LR.get(stage, LATER_STAGE_LR), total_steps=total_steps or steps,
-                   topk_loss=stage >= 2, alignment_mask=variant == "griffin")
+                   topk_loss=stage >= 2 and variant != "eagle3", alignment_mask=variant in ("griffin", "griffin3"),
+                   feature_loss=variant not in MULTI_LAYER_VARIANTS)

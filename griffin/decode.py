@@ -191,7 +191,9 @@ def speculative_generate(
     )
 
     start = device_time(device)
-    features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False)  # (1,T,D), (1,1,V)
+    layers = draft.cfg.feature_layers  # what the draft reads: the last layer, or k layers (D_f = k*D)
+    features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False,
+                                      feature_layers=layers)  # (1, T, D_f), (1, 1, V)
     root = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = device_time(device) - start
     reason = _append(out, [root], stop, max_new_tokens, on_tokens, logprobs,
@@ -206,7 +208,8 @@ def speculative_generate(
         mid = device_time(device)
         prefix_len = target_cache.length
         with record_function("griffin.verify_forward"):
-            features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache)
+            features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache,
+                                                 layers)
         with record_function("griffin.accept"):
             result = verify(tree_nodes, logits_n[0], sampling, generator)
         accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
@@ -223,6 +226,6 @@ def speculative_generate(
         # token i of ``committed`` came from the target's logits after accepted node i
         reason = _append(out, committed, stop, max_new_tokens, on_tokens, logprobs,
                          lambda: logprobs.score(logits_n[0, accepted], committed))  # (A+1, V) rows
-        features = features_n[:, accepted]  # (1, A+1, D): target features of root + accepted nodes
+        features = features_n[:, accepted]  # (1, A+1, D_f): target features of root + accepted nodes
         new_tokens = torch.tensor(committed, device=device)
     return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)

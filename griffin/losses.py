@@ -27,7 +27,7 @@ class ShiftedBatch:
     """The draft's view of a batch after the feature/token shift (docs/method.md §1):
     at position t the input is (f_t, y_t = x_{t+1}); the targets are f_{t+1} and p*_t."""
 
-    features: Tensor  # (B, T, D) f_t
+    features: Tensor  # (B, T, D_f) f_t as the draft reads it: the final feature, or k layers' (D_f = k*D)
     tokens: Tensor  # (B, T) y_t = x_{t+1}; 0 at the last position
     target_features: Tensor  # (B, T, D) f_{t+1}; 0 at the last position
     loss_mask: Tensor  # (B, T) float: assistant token and t+1 is a real token
@@ -40,8 +40,10 @@ def shift_left(x: Tensor, steps: int = 1) -> Tensor:
 
 
 def shift_batch(features: Tensor, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
-                window: LossWindow = "draft") -> ShiftedBatch:
-    """features (B, T, D), input_ids / loss_mask / attention_mask (B, T), right-padded; ``loss_mask``
+                window: LossWindow = "draft", layer_features: Tensor | None = None) -> ShiftedBatch:
+    """features (B, T, D) the final post-norm features, input_ids / loss_mask / attention_mask (B, T),
+    right-padded; ``layer_features`` (B, T, k*D) the k feature layers, the input of a multi-layer
+    draft (the final features stay its targets); ``loss_mask``
     marks the reply tokens x_t (1 on each assistant reply and its end-of-turn token).
 
     Which pairs (f_t, x_{t+1}) -> x_{t+2} are supervised (``window``):
@@ -63,7 +65,8 @@ def shift_batch(features: Tensor, input_ids: Tensor, loss_mask: Tensor, attentio
         mask = shift_left(reply) * shift_left(reply, 2)  # x_{t+1} and x_{t+2} in the reply
     else:
         mask = reply * shift_left(attention_mask)  # x_t in the reply and x_{t+1} a real token
-    return ShiftedBatch(features, tokens, target, mask.float(), attention_mask)
+    inputs = features if layer_features is None else layer_features
+    return ShiftedBatch(inputs, tokens, target, mask.float(), attention_mask)
 
 
 def add_feature_noise(features: Tensor, attention_mask: Tensor, scale: float, generator=None) -> Tensor:
@@ -132,14 +135,15 @@ def token_alignable_step(
     n_passes = plan.passes
     inputs = add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator) if model.training else batch.features
     with torch.no_grad():
-        teacher = torch.softmax(draft.logits(batch.target_features).float(), dim=-1)  # (B, T, V)
+        teacher = torch.softmax(draft.target_logits(batch.target_features).float(), dim=-1)  # (B, T, V)
     streams, mask, cumulative = [inputs], batch.loss_mask, None
     base_count = batch.loss_mask.sum().clamp(min=1)
     metrics: dict[str, float] = {}
     for j in range(1, n_passes + 1):
         P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
         parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k)
-        loss = cfg.value_weight * parts["value"] + cfg.token_weight * parts["token"]
+        # without the feature loss (EAGLE-3, GRIFFIN-3) the token loss, forward KL to the target, stands alone
+        loss = cfg.value_weight * parts["value"] + cfg.token_weight * parts["token"] if plan.feature_loss else parts["token"]
         if plan.topk_loss:
             loss = loss + cfg.topk_weight * parts["topk"]
         if backward:
@@ -151,7 +155,7 @@ def token_alignable_step(
             break
         with torch.no_grad():
             # next stream: the draft's own regressed features, one position later, detached
-            streams.append(torch.cat([inputs[:, :1], R[:, :-1].detach().to(inputs.dtype)], dim=1))
+            streams.append(draft.next_stream(inputs, R.detach()))
             if plan.alignment_mask:
                 cumulative = next_alignment(alignment_hits(draft, P, batch.tokens, cfg.align_top_k), cumulative)
                 mask = batch.loss_mask * alignment_mask(cumulative, cfg.mask_shift)

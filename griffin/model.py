@@ -3,6 +3,9 @@
 The EAGLE/HASS draft is the same module with both GRIFFIN parts switched off by ``DraftConfig``
 (``token_guided_fusion=False``: a plain fc over [embedding; feature]; ``token_enhanced_head=False``:
 the layer outputs one H-wide feature used both for the token head and as the next feature).
+EAGLE-3 and GRIFFIN-3 (docs/method.md §2.6) add, by config too: several target layers reduced to
+H by an fc (``feature_layers``), EAGLE-3's layer input [norm(e); norm(h)] (``decoder_input``) and a
+trainable norm + LM head (``trainable_head``).
 
 The frozen target embedding and LM head are bound as non-persistent buffers: they are never
 saved with the draft and are re-bound from the target on load (docs/method.md §2.4).
@@ -68,10 +71,11 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         D, Dh = cfg.hidden_size, cfg.head_dim
+        D_in = 2 * D if cfg.decoder_input == "concat" else D  # EAGLE-3's attention reads [e; h]
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, Dh
-        self.q_proj = nn.Linear(D, self.n_heads * Dh, bias=False)
-        self.k_proj = nn.Linear(D, self.n_kv_heads * Dh, bias=False)
-        self.v_proj = nn.Linear(D, self.n_kv_heads * Dh, bias=False)
+        self.q_proj = nn.Linear(D_in, self.n_heads * Dh, bias=False)
+        self.k_proj = nn.Linear(D_in, self.n_kv_heads * Dh, bias=False)
+        self.v_proj = nn.Linear(D_in, self.n_kv_heads * Dh, bias=False)
         self.o_proj = nn.Linear(self.n_heads * Dh, D, bias=False)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
@@ -80,8 +84,8 @@ class DraftAttention(nn.Module):
 
     def forward(
         self,
-        x_q: Tensor,  # (B, Tq, D) query stream
-        x_kv: Tensor,  # (B, Tk, D) key/value streams (== x_q when decoding)
+        x_q: Tensor,  # (B, Tq, D_in) query stream; D_in = D, or 2D for EAGLE-3's input
+        x_kv: Tensor,  # (B, Tk, D_in) key/value streams (== x_q when decoding)
         rope_q: tuple[Tensor, Tensor],  # cos, sin: (Tq, Dh)
         rope_kv: tuple[Tensor, Tensor],  # cos, sin: (Tk, Dh)
         mask: Tensor,  # (Tq, S) or (B, 1, Tq, S) bool, True = attend
@@ -142,6 +146,19 @@ class TokenGuidedFusion(nn.Module):
         return h + self.down_proj(F.silu(self.up_proj(z)))  # (B, T, D)
 
 
+class ConcatInput(nn.Module):
+    """EAGLE-3's layer input: the attention reads [input_norm(e); hidden_norm(h)] (B, T, 2D) and
+    the residual stream is h itself (SpecForge's ``LlamaForCausalLMEagle3`` midlayer)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, embeds: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        return features, torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+
+
 class DraftDecoderLayer(nn.Module):
     """One LLaMA layer without input norm (EAGLE convention); with TEH its MLP outputs 2D and the
     residual is duplicated, so the output splits into prediction P and regression R (§2.2)."""
@@ -154,8 +171,11 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
         self.mlp = SwiGLU(D, cfg.intermediate_size, 2 * D if self.two_heads else D)
 
-    def forward(self, x_q: Tensor, x_kv: Tensor, rope_q, rope_kv, mask: Tensor, cache=None) -> tuple[Tensor, Tensor]:
-        a = x_q + self.self_attn(x_q, x_kv, rope_q, rope_kv, mask, cache)  # (B, T, D)
+    def forward(self, residual: Tensor, x_q: Tensor, x_kv: Tensor, rope_q, rope_kv, mask: Tensor,
+                cache=None) -> tuple[Tensor, Tensor]:
+        """residual (B, T, D); x_q (B, T, D_in) and x_kv (B, Tk, D_in) the attention's inputs (the
+        residual itself for a fused input)."""
+        a = residual + self.self_attn(x_q, x_kv, rope_q, rope_kv, mask, cache)  # (B, T, D)
         m = self.mlp(self.post_attention_layernorm(a))  # (B, T, 2D) or (B, T, D)
         if not self.two_heads:
             out = a + m
@@ -188,11 +208,20 @@ class GriffinDraft(nn.Module):
         if d2t is not None and d2t.numel() != cfg.draft_vocab_size:
             raise ValueError(f"d2t has {d2t.numel()} ids but draft_vocab_size={cfg.draft_vocab_size}")
         self.cfg = cfg
-        self.fusion = TokenGuidedFusion(cfg)
+        D = cfg.hidden_size
+        if cfg.feature_layers:  # k target layers (B, T, k*D) -> (B, T, D); no bias, as EAGLE-3's fc
+            self.feature_fc = nn.Linear(cfg.input_feature_size, D, bias=False)
+        self.fusion = ConcatInput(cfg) if cfg.decoder_input == "concat" else TokenGuidedFusion(cfg)
         self.layer = DraftDecoderLayer(cfg)
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         head = head_weight.detach() if d2t is None else head_weight.detach()[d2t.to(head_weight.device)]
-        self.register_buffer("head_weight", head, persistent=False)  # (V, D), V = draft vocab
+        # (V, D), V = draft vocab: the target's frozen rows (its distribution, the teacher's)
+        self.register_buffer("head_weight", head, persistent=False)
+        if cfg.trainable_head:  # EAGLE-3: the draft's own norm + head, starting from the target's rows
+            self.norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(D, head.shape[0], bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(head)
         if d2t is not None:
             self.register_buffer("d2t", d2t.to(torch.long))  # saved: draft id -> target id
         else:
@@ -209,6 +238,10 @@ class GriffinDraft(nn.Module):
             overrides.setdefault("draft_vocab_size", int(d2t.numel()))
         cfg = DraftConfig.from_target(target.hf_config, variant=variant, **overrides)
         draft = cls(cfg, target.embed_weight, target.head_weight, d2t)
+        final_norm = getattr(target.backbone, "norm", None)
+        if cfg.trainable_head and isinstance(getattr(final_norm, "weight", None), Tensor):
+            with torch.no_grad():  # with the target's rows, the head starts as the target's own
+                draft.norm.weight.copy_(final_norm.weight)
         return draft.to(target.device)
 
     def cast_parameters(self, dtype: torch.dtype) -> "GriffinDraft":
@@ -222,7 +255,7 @@ class GriffinDraft(nn.Module):
     # ---- pieces -------------------------------------------------------------------------
     @property
     def param_dtype(self) -> torch.dtype:
-        return self.fusion.fc.weight.dtype
+        return self.layer.self_attn.q_proj.weight.dtype
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, Dh/2)
@@ -234,10 +267,35 @@ class GriffinDraft(nn.Module):
             return F.embedding(tokens, self.embed_weight)  # (B, T, D)
 
     def logits(self, prediction: Tensor) -> Tensor:
-        """Token logits over the draft vocabulary from the prediction feature P."""
-        prediction = prediction.to(self.head_weight.dtype)
+        """Token logits over the draft vocabulary from the prediction feature P: (..., D) -> (..., V)."""
+        if self.cfg.trainable_head:
+            return self.lm_head(self.norm(prediction.to(self.param_dtype)))
+        return self.target_logits(prediction)
+
+    def target_logits(self, features: Tensor) -> Tensor:
+        """The target's frozen head over the draft vocabulary: (..., D) -> (..., V). For a target
+        feature it is the target's own distribution (the teacher)."""
+        features = features.to(self.head_weight.dtype)
         packed = self.__dict__.get("packed_head")
-        return packed(prediction) if packed is not None else prediction @ self.head_weight.T  # (..., V)
+        return packed(features) if packed is not None else features @ self.head_weight.T
+
+    def fuse_target(self, features: Tensor) -> Tensor:
+        """Target features as the draft reads them: k layers (..., k*D) through the fc to (..., D);
+        the final feature (..., D) as it is."""
+        return self.feature_fc(features.to(self.param_dtype)) if self.cfg.feature_layers else features
+
+    def next_stream(self, inputs: Tensor, regression: Tensor) -> Tensor:
+        """The next harmonized pass's input stream: the draft's own regressed features R (B, T, D),
+        one position later, with the target's first feature in front (fused to D)."""
+        return torch.cat([self.fuse_target(inputs[:, :1]).to(inputs.dtype), regression[:, :-1].to(inputs.dtype)],
+                         dim=1)
+
+    def _layer_inputs(self, embeds: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        """(residual (B, T, D), attention input (B, T, D_in)) of one stream."""
+        if self.cfg.decoder_input == "concat":
+            return self.fusion(embeds, features)
+        fused = self.fusion(embeds, features)
+        return fused, fused
 
     def prepack(self) -> bool:
         """Pre-pack the linears and the head for CPU bf16 drafting (griffin.target.PackedLinear);
@@ -248,6 +306,8 @@ class GriffinDraft(nn.Module):
                 and prepack_supported(self.head_weight.device, self.param_dtype)):
             return False
         prepack_linears(self)
+        if self.cfg.trainable_head:
+            return True  # its own head is a Linear, now packed; the frozen rows only score the teacher
         head = nn.Linear(self.head_weight.shape[1], self.head_weight.shape[0], bias=False)
         head.weight = nn.Parameter(self.head_weight, requires_grad=False)
         self.__dict__["packed_head"] = PackedLinear(head)
@@ -268,14 +328,15 @@ class GriffinDraft(nn.Module):
     def forward(self, streams: list[Tensor], tokens: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Pass j = len(streams) of token-alignable training.
 
-        streams[k]: (B, T, D) input features of stream k (0 = target features); tokens: (B, T)
+        streams[0]: (B, T, D_f) the target's features (D_f = k*D for k feature layers); streams[k >= 1]:
+        (B, T, D) the draft's regressed features (``next_stream``); tokens: (B, T)
         ground-truth next tokens y_t = x_{t+1}, shared by every stream; attention_mask: (B, T)
         1 for real tokens. Queries come from the last stream. Returns P, R: (B, T, D)."""
         J, (B, T) = len(streams), tokens.shape
-        streams = [s.to(self.param_dtype) for s in streams]
+        streams = [self.fuse_target(streams[0].to(self.param_dtype))] + [s.to(self.param_dtype) for s in streams[1:]]
         embeds = self.embed(tokens).to(self.param_dtype)  # (B, T, D)
-        fused = [self.fusion(embeds, s) for s in streams]  # J x (B, T, D)
-        x_kv = fused[0] if J == 1 else torch.cat(fused, dim=1)  # (B, J*T, D)
+        inputs = [self._layer_inputs(embeds, s) for s in streams]  # J x ((B, T, D), (B, T, D_in))
+        x_kv = inputs[0][1] if J == 1 else torch.cat([x for _, x in inputs], dim=1)  # (B, J*T, D_in)
         pos = torch.arange(T, device=tokens.device)
         rope_q = self.rope(pos, x_kv.dtype)
         rope_kv = self.rope(pos.repeat(J), x_kv.dtype)
@@ -287,17 +348,18 @@ class GriffinDraft(nn.Module):
             own = torch.zeros(T, J * T, dtype=torch.bool, device=tokens.device)
             own[:, (J - 1) * T :] = torch.eye(T, dtype=torch.bool, device=tokens.device)
             mask = mask | own
-        return self.layer(fused[-1], x_kv, rope_q, rope_kv, mask)
+        return self.layer(*inputs[-1], x_kv, rope_q, rope_kv, mask)
 
     # ---- decoding: one cached step ----------------------------------------------------
     def step(
         self, features: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """features (1, T, D), tokens (1, T), positions (T,), mask (T, cache.length + T) bool.
-        Appends T entries to ``cache``; returns P, R: (1, T, D)."""
-        x = self.fusion(self.embed(tokens).to(self.param_dtype), features.to(self.param_dtype))  # (1, T, D)
+        """features (1, T, D): the target's (through ``fuse_target``) or the draft's own R; tokens
+        (1, T), positions (T,), mask (T, cache.length + T) bool. Appends T entries to ``cache``;
+        returns P, R: (1, T, D)."""
+        residual, x = self._layer_inputs(self.embed(tokens).to(self.param_dtype), features.to(self.param_dtype))
         rope = self.rope(positions, x.dtype)
-        return self.layer(x, x, rope, rope, mask, cache)
+        return self.layer(residual, x, x, rope, rope, mask, cache)
 
 
 def count_trainable(model: nn.Module) -> int:

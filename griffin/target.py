@@ -141,6 +141,15 @@ class TargetCache(Cache):
             layer.keep(start, positions)
 
 
+def layer_features(out: Any, feature_layers: tuple[int, ...] | None) -> Tensor:
+    """A backbone output -> the features a draft reads: the post-norm last layer (B, T, D), or the
+    ``feature_layers`` hidden states concatenated in that order (B, T, k*D). The backbone must have
+    been called with ``output_hidden_states=list(feature_layers)``."""
+    if not feature_layers:
+        return out.last_hidden_state
+    return torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+
+
 class TargetAdapter:
     """The frozen target: prefill, tree verification, KV compaction, embedding and LM head."""
 
@@ -245,9 +254,12 @@ class TargetAdapter:
         positions: Tensor | None = None,  # (T,) absolute positions; default: contiguous
         mask: Tensor | None = None,  # (T, S) bool over cache + new tokens; default: causal
         all_logits: bool = True,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Runs the target on ``tokens`` after the cached prefix; appends their KV.
-        Returns post-norm features (1, T, D) and logits (1, T, V) (or (1, 1, V) for the last)."""
+        Returns features and logits (1, T, V) (or (1, 1, V) for the last). Features: the post-norm
+        last layer (1, T, D), or with ``feature_layers`` those hidden states (HF indices: 0 = the
+        embeddings, i = after layer i) concatenated, (1, T, k*D), what a multi-layer draft reads."""
         if positions is None:
             positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=self.device)
         attn = None
@@ -258,20 +270,21 @@ class TargetAdapter:
             attn = attn[None, None]  # (1, 1, T, S)
         out = self.backbone(
             input_ids=tokens, position_ids=positions[None], attention_mask=attn,
-            past_key_values=cache, use_cache=True,
+            past_key_values=cache, use_cache=True, output_hidden_states=list(feature_layers or []) or None,
         )
-        features = out.last_hidden_state  # (1, T, D), after the final norm
-        logits = self.lm_head(features if all_logits else features[:, -1:])  # (1, T|1, V)
-        return features, logits.float()
+        last = out.last_hidden_state  # (1, T, D), after the final norm
+        logits = self.lm_head(last if all_logits else last[:, -1:])  # (1, T|1, V)
+        return layer_features(out, feature_layers), logits.float()
 
-    def verify(self, tree_tokens: Tensor, tree_depths: Tensor, tree_mask: Tensor, cache: TargetCache):
+    def verify(self, tree_tokens: Tensor, tree_depths: Tensor, tree_mask: Tensor, cache: TargetCache,
+               feature_layers: tuple[int, ...] | None = None):
         """One forward over a token tree written after the committed prefix (docs/method.md §5).
-        tree_tokens/tree_depths: (N,), tree_mask: (N, N) ancestor-or-self. Returns (1,N,D), (1,N,V)."""
+        tree_tokens/tree_depths: (N,), tree_mask: (N, N) ancestor-or-self. Returns (1,N,D_f), (1,N,V)."""
         n = cache.length
         positions = n + tree_depths.to(self.device)  # (N,)
         prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
         mask = torch.cat([prefix, tree_mask.to(self.device)], dim=1)  # (N, n + N)
-        return self.forward(tree_tokens[None].to(self.device), cache, positions, mask)
+        return self.forward(tree_tokens[None].to(self.device), cache, positions, mask, feature_layers=feature_layers)
 
     def commit(self, cache: TargetCache, prefix_len: int, accepted_nodes: Tensor) -> None:
         """Keep the KV of the accepted tree nodes (root first) right after the committed prefix."""

@@ -84,7 +84,7 @@ def teacher_ids(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | 
     real argmax (default: the draft's own head). It depends only on the data: compute it once."""
     with autocast(batch.features.device, bf16):
         if target_head is None:
-            return draft.to_target_ids(draft.logits(batch.target_features).argmax(-1))
+            return draft.to_target_ids(draft.target_logits(batch.target_features).argmax(-1))
         return (batch.target_features.to(target_head.dtype) @ target_head.T).argmax(-1)
 
 
@@ -111,7 +111,7 @@ def acceptance_counts(
         counts[0, k], counts[1, k] = accepted.sum(), reach.sum()
         # step k+1 at position r continues the chain that was accepted at r-1 on greedy data
         reach = shift_right((accepted & greedy_data).float()).bool()
-        streams.append(torch.cat([batch.features[:, :1], R[:, :-1].to(batch.features.dtype)], dim=1))
+        streams.append(draft.next_stream(batch.features, R))
     return counts
 
 

@@ -39,13 +39,14 @@ class DraftTree:
 
 def catch_up(draft: GriffinDraft, cache: KVCache, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
     """Feed committed pairs (f_p, x_{p+1}) at positions cache.length.. (docs/method.md §1 shift).
-    features: (1, T, D) target features; tokens: (1, T). Returns P, R of the last pair: (1, D) each."""
+    features: (1, T, D_f) target features (k*D for k feature layers); tokens: (1, T). Returns P, R
+    of the last pair: (1, D) each."""
     start, T = cache.length, tokens.shape[1]
     positions = torch.arange(start, start + T, device=tokens.device)
     rows = torch.arange(T, device=tokens.device)[:, None]
     cols = torch.arange(start + T, device=tokens.device)[None, :]
     mask = cols <= start + rows  # (T, start + T) causal over cache + new
-    P, R = draft.step(features, tokens, positions, cache, mask)
+    P, R = draft.step(draft.fuse_target(features), tokens, positions, cache, mask)
     return P[:, -1], R[:, -1]
 
 
@@ -61,7 +62,7 @@ def _top_k_log_probs(draft: GriffinDraft, prediction: Tensor, k: int) -> tuple[T
 def draft_tree(
     draft: GriffinDraft,
     cache: KVCache,
-    features: Tensor,  # (1, T, D) target features of the newly committed positions
+    features: Tensor,  # (1, T, D_f) target features of the newly committed positions
     tokens: Tensor,  # (1, T) the tokens that follow them; tokens[0, -1] is the root
     cfg: TreeConfig,
 ) -> DraftTree:

@@ -103,6 +103,9 @@ def check_compatible(cfg: DraftConfig, target: Any) -> None:
         problems.append(f"hidden_size {cfg.hidden_size} != target {target.hidden_size}")
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {cfg.vocab_size} != target {target.vocab_size}")
+    layers = target.hf_config.get_text_config().num_hidden_layers
+    if cfg.feature_layers and max(cfg.feature_layers) > layers:
+        problems.append(f"feature_layers {list(cfg.feature_layers)} beyond the target's {layers} layers")
     if problems:
         raise ValueError(f"draft does not fit target {target.name!r}: " + "; ".join(problems))
 

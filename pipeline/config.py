@@ -83,6 +83,10 @@ class FeaturesSection(Section):
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources per actor")
     batch_tokens: int = Field(default=8192, ge=1)
     file_rows: int = Field(default=2048, ge=1, description="rows per part file before rolling over")
+    layers: list[int] | Literal["auto"] = Field(
+        default="auto", description="target hidden states stored beside the final feature (HF hidden_states "
+        "indices: 0 = embeddings, i = after layer i), for EAGLE-3-style drafts; 'auto' = the layers the "
+        "configured draft reads (2, L/2, L-3 for eagle3 and griffin3, none for the others); [] = none")
 
 
 class DraftSection(Section):

@@ -29,7 +29,7 @@ from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
 from pipeline.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
-from pipeline.resources import load_target, target_fingerprint
+from pipeline.resources import feature_layers, load_target, target_fingerprint
 from pipeline.store import (ACTOR_REASONS, LAYER, encode_hidden, open_for_writing, part_table, verify_store,
                             write_manifest, write_part)
 
@@ -59,40 +59,54 @@ def _objects(items: list[Any]) -> np.ndarray:
 
 
 class Featurizer:
-    """Tokenized conversations -> rows with the target's post-norm last-layer features.
+    """Tokenized conversations -> rows with the target's post-norm last-layer features (and the
+    hidden states of ``layers``, when set).
 
     ``batch``: ``sample_id`` (B,), ``input_ids`` and ``loss_mask`` (B,) arrays of (T_i,) arrays.
     Returns the same plus ``seq_len`` (B,), ``hidden`` (B,) bytes, ``error`` (B,) ("" or
-    "non_finite") and, for fp8, ``scales`` (B,) arrays of (T_i,) fp32. Usable without Ray."""
+    "non_finite"), for fp8 ``scales`` (B,) arrays of (T_i,) fp32, and with layers ``layers`` (B,)
+    bytes of (T_i, k, D) [+ ``layer_scales`` (B,) arrays of (T_i * k,) fp32]. Usable without Ray."""
 
-    def __init__(self, target: dict[str, Any], dtype: str = "bf16", batch_tokens: int = 8192):
+    def __init__(self, target: dict[str, Any], dtype: str = "bf16", batch_tokens: int = 8192,
+                 layers: tuple[int, ...] = ()):
         self.target = load_target(TargetSection(**target))
-        self.dtype, self.batch_tokens = dtype, batch_tokens
+        self.dtype, self.batch_tokens, self.layers = dtype, batch_tokens, tuple(layers)
         self.pad_id = getattr(self.target.tokenizer, "pad_token_id", None) or 0
 
     @torch.inference_mode()
-    def forward(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
-        """Right-padded batch through the backbone; each sequence's (T_i, D) features."""
+    def forward(self, sequences: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Right-padded batch through the backbone; each sequence's (T_i, D) final features and
+        (T_i, k, D) layer features (None without layers)."""
         longest = max(len(s) for s in sequences)
         tokens = torch.full((len(sequences), longest), self.pad_id, dtype=torch.long)  # (B, T)
         attention = torch.zeros(len(sequences), longest, dtype=torch.long)  # (B, T)
         for b, sequence in enumerate(sequences):
             tokens[b, : len(sequence)], attention[b, : len(sequence)] = torch.from_numpy(sequence.astype(np.int64)), 1
         device = self.target.device
-        out = self.target.backbone(input_ids=tokens.to(device), attention_mask=attention.to(device))
+        out = self.target.backbone(input_ids=tokens.to(device), attention_mask=attention.to(device),
+                                   output_hidden_states=list(self.layers) or None)
         features = out.last_hidden_state.cpu()  # (B, T, D), after the final norm (docs/method.md §1)
-        return [features[b, : len(s)] for b, s in enumerate(sequences)]  # right padding never reaches these
+        stacked = torch.stack([out.hidden_states[i] for i in self.layers], dim=2).cpu() if self.layers else None  # (B, T, k, D)
+        # right padding never reaches these
+        return [(features[b, : len(s)], None if stacked is None else stacked[b, : len(s)]) for b, s in enumerate(sequences)]
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         lengths = np.asarray([len(ids) for ids in batch["input_ids"]], dtype=np.int32)  # (B,)
-        hidden, scales, error = [b""] * len(lengths), [None] * len(lengths), [""] * len(lengths)
+        n = len(lengths)
+        hidden, scales, error = [b""] * n, [None] * n, [""] * n
+        layers, layer_scales = [b""] * n, [None] * n
         for group in token_batches(lengths, self.batch_tokens):
-            for i, features in zip(group, self.forward([batch["input_ids"][i] for i in group])):
-                if not torch.isfinite(features).all():
+            for i, (features, stacked) in zip(group, self.forward([batch["input_ids"][i] for i in group])):
+                if not torch.isfinite(features).all() or (stacked is not None and not torch.isfinite(stacked).all()):
                     error[i] = "non_finite"
                     continue
                 hidden[i], scales[i] = encode_hidden(features, self.dtype)
+                if stacked is not None:  # (T, k, D) -> (T * k, D): an fp8 scale per token and layer
+                    layers[i], layer_scales[i] = encode_hidden(stacked.reshape(-1, stacked.shape[-1]), self.dtype)
         out = {**batch, "seq_len": lengths, "hidden": _objects(hidden), "error": np.asarray(error)}
+        if self.layers:
+            out["layers"] = _objects(layers)
+            out |= {"layer_scales": _objects(layer_scales)} if self.dtype == "fp8" else {}
         return out | ({"scales": _objects(scales)} if self.dtype == "fp8" else {})
 
 
@@ -107,8 +121,8 @@ class PartWriter:
     Returns one JSON ``entry`` per part: its manifest entry and the samples it had to skip."""
 
     def __init__(self, target: dict[str, Any], store: str, dtype: str, batch_tokens: int,
-                 fingerprint: dict[str, Any], fail_after: int | None = None):
-        self.featurizer = Featurizer(target, dtype, batch_tokens)
+                 fingerprint: dict[str, Any], fail_after: int | None = None, layers: tuple[int, ...] = ()):
+        self.featurizer = Featurizer(target, dtype, batch_tokens, tuple(layers))
         if (actual := target_fingerprint(self.featurizer.target)) != fingerprint:
             raise ValueError(f"this worker's target differs from the driver's ({actual} vs {fingerprint}); "
                              "every node must see the same model files")
@@ -131,20 +145,21 @@ class PartWriter:
                    for s, e in zip(rows["sample_id"][~ok], rows["error"][~ok])]
         entry = None
         if ok.any():
-            table = part_table({k: v[ok] for k, v in rows.items()}, self.dtype, self.featurizer.target.hidden_size)
+            table = part_table({k: v[ok] for k, v in rows.items()}, self.dtype, self.featurizer.target.hidden_size,
+                               self.featurizer.layers)
             entry = write_part(self.store, f"part-{self.actor}-{self.parts:05d}.parquet", table)
             entry["node"] = _node_id()  # where it ran: placement is auditable on a cluster
         self.parts += 1
         return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
 
 
-def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int) -> list[dict[str, Any]]:
+def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0) -> list[dict[str, Any]]:
     """Length-sorted runs of samples (little padding), each at most ``file_rows`` rows and
     ``PART_BYTES`` of features, and at least ``PARTS_PER_ACTOR`` per actor, so every actor gets
     work, progress shows often and a kill loses little. Parts go out in a seeded random order:
     readers stream files in name order (= order written), and a longest-first order would feed
-    training long conversations first and short ones last."""
-    bytes_per_token = hidden_size * (2 if cfg.features.dtype == "bf16" else 1)
+    training long conversations first and short ones last. ``layers``: feature layers per token."""
+    bytes_per_token = hidden_size * (1 + layers) * (2 if cfg.features.dtype == "bf16" else 1)
     share = math.ceil(len(samples) / (PARTS_PER_ACTOR * cfg.features.num_actors))
     max_rows = min(cfg.features.file_rows, max(1, share))
     max_tokens = max(1, PART_BYTES // bytes_per_token)
@@ -169,6 +184,8 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     target = load_target(cfg.target)
     key = {**target_fingerprint(target), "layer": LAYER, "post_norm": True, "dtype": cfg.features.dtype,
            "max_len": cfg.data.max_len, "system_prompt": cfg.data.system_prompt}  # both change every row
+    if layers := feature_layers(cfg, target):  # absent without: stores from before feature layers keep their key
+        key["feature_layers"] = list(layers)
     ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
     for conversation in load_conversations(cfg.training_data, ledger):
         try:
@@ -204,10 +221,12 @@ class Progress:
 def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: Progress) -> None:
     ensure_ray(cfg)
     fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
-    fingerprint = {k: key[k] for k in key if k not in ("layer", "post_norm", "dtype", "max_len", "system_prompt")}
+    capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers")
+    fingerprint = {k: key[k] for k in key if k not in capture}
     run_part_actors(cfg, PartWriter, parts, cfg.store_path, manifest, progress, "featurization",
                     dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
-                         batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint, fail_after=fail_after))
+                         batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint, fail_after=fail_after,
+                         layers=tuple(key.get("feature_layers", ()))))
 
 
 def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: str, manifest: dict, progress: Any,
@@ -269,7 +288,8 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
                 len(samples), len(samples) - len(todo), cfg.store_path, len(todo), ledger.counts())
     progress = Progress(len(todo), sum(len(s.input_ids) for s in todo))
     if todo:
-        _featurize_parts(cfg, plan_parts(todo, cfg, key["hidden_size"]), key, manifest, progress)
+        parts = plan_parts(todo, cfg, key["hidden_size"], len(key.get("feature_layers", ())))
+        _featurize_parts(cfg, parts, key, manifest, progress)
     manifest["complete"] = progress.rows == len(todo)  # every selected sample is in a part or the ledger
     write_manifest(cfg.store_path, manifest)
     totals = manifest["totals"]

@@ -58,6 +58,23 @@ def load_target(section: TargetSection, decoding: bool = False) -> TargetAdapter
     return target
 
 
+def feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
+    """The target hidden states that featurize stores beside the final feature: ``features.layers``,
+    or with "auto" the ones the configured draft reads (``DraftConfig.feature_layers``)."""
+    from griffin.config import DraftConfig
+
+    if cfg.features.layers == "auto":
+        draft = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides)
+        layers = tuple(draft.feature_layers or ())
+    else:
+        layers = tuple(cfg.features.layers)
+    count = target.hf_config.get_text_config().num_hidden_layers
+    if len(set(layers)) != len(layers) or any(not 0 <= i <= count for i in layers):
+        raise ValueError(f"features.layers {list(layers)}: need distinct hidden-state indices in 0..{count} for "
+                         f"this target ({count} layers; 0 = the embeddings, {count} = the last layer)")
+    return layers
+
+
 def _sha256_text(text: str | None) -> str:
     return hashlib.sha256((text or "").encode()).hexdigest()
 

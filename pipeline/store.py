@@ -3,7 +3,10 @@ capture keys and checksums, and reading rows back for training.
 
 One row per conversation: ``sample_id``, ``input_ids`` list<int32>, ``loss_mask`` list<uint8>,
 ``seq_len`` int32, ``hidden`` = the post-norm last-layer feature (seq_len, hidden_size) as raw
-little-endian bf16 bytes, or fp8-e4m3 bytes plus per-token fp32 ``scales``. Parts are written
+little-endian bf16 bytes, or fp8-e4m3 bytes plus per-token fp32 ``scales``. A store captured with
+feature layers (schema version 2, for EAGLE-3-style drafts) adds ``layers``: those k hidden states,
+(seq_len, k, hidden_size) in the same codec, with ``layer_scales`` per (token, layer) for fp8;
+version-1 stores have no such column and read as before. Parts are written
 under a dot-name and renamed into place, ``_manifest.json`` is replaced atomically, and only a
 finished run sets ``complete``: a killed run never leaves a store that looks done.
 
@@ -28,12 +31,14 @@ import pyarrow.parquet as pq
 import torch
 
 MANIFEST = "_manifest.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added the optional ``layers`` column; version-1 parts read the same
 LAYER = "last_post_norm"
+LAYER_COLUMNS = ("layers", "layer_scales")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ACTOR_REASONS = ("non_finite",)  # skips found while featurizing: kept across resumes
 _COMPRESSION = {"sample_id": "ZSTD", "input_ids.list.element": "ZSTD", "loss_mask.list.element": "ZSTD",
-                "seq_len": "ZSTD", "hidden": "NONE", "scales.list.element": "NONE"}  # features don't compress
+                "seq_len": "ZSTD", "hidden": "NONE", "scales.list.element": "NONE", "layers": "NONE",
+                "layer_scales.list.element": "NONE"}  # features don't compress
 _FIX = "rerun `griffin featurize -c CONFIG` with the store's config to resume or rebuild it"
 
 
@@ -70,27 +75,38 @@ def encode_hidden(hidden: torch.Tensor, dtype: str) -> tuple[bytes, np.ndarray |
     return quantized.view(torch.uint8).numpy().tobytes(), scales.numpy().astype(np.float32)
 
 
-def decode_row(row: dict[str, Any], hidden_size: int) -> dict[str, torch.Tensor]:
-    """A stored row -> tensors. bf16 ``hidden`` is a view on the row's buffer (no copy; read-only:
-    don't modify it in place), fp8 is dequantized to bf16."""
+def decode_features(data: Any, scales: Any, hidden_size: int) -> torch.Tensor:
+    """Stored feature bytes -> (N, H) bf16: a view on the buffer for bf16 (no copy; read-only:
+    don't modify it in place), dequantized for fp8 (``scales`` (N,) fp32)."""
     with warnings.catch_warnings():  # Arrow buffers and bytes are read-only; torch warns about that
         warnings.simplefilter("ignore", UserWarning)
-        scales = row.get("scales")
         if scales is None:  # numpy reads any buffer (bytes from Ray, pa.Buffer from iter_rows) in place
-            bits = torch.from_numpy(np.frombuffer(row["hidden"], dtype=np.int16))
-            hidden = bits.view(torch.bfloat16).view(-1, hidden_size)  # (T, H)
-        else:
-            codes = torch.from_numpy(np.frombuffer(row["hidden"], dtype=np.uint8)).view(torch.float8_e4m3fn)
-            hidden = (codes.view(-1, hidden_size).float() * torch.as_tensor(np.asarray(scales))[:, None]).bfloat16()
+            bits = torch.from_numpy(np.frombuffer(data, dtype=np.int16))
+            return bits.view(torch.bfloat16).view(-1, hidden_size)  # (N, H)
+        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8)).view(torch.float8_e4m3fn)
+        return (codes.view(-1, hidden_size).float() * torch.as_tensor(np.asarray(scales))[:, None]).bfloat16()
+
+
+def decode_row(row: dict[str, Any], hidden_size: int, layers: bool = False) -> dict[str, torch.Tensor]:
+    """A stored row -> tensors: ``hidden`` (T, H) and, with ``layers`` (the row must have them),
+    ``layers`` (T, k*H), the k feature layers side by side."""
+    hidden = decode_features(row["hidden"], row.get("scales"), hidden_size)  # (T, H)
     input_ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)  # (T,)
     loss_mask = torch.as_tensor(np.asarray(row["loss_mask"], dtype=np.uint8))  # (T,)
     assert hidden.shape[0] == input_ids.shape[0] == loss_mask.shape[0], "row with inconsistent lengths"
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden": hidden}
+    out = {"input_ids": input_ids, "loss_mask": loss_mask, "hidden": hidden}
+    if layers:
+        if row.get("layers") is None:
+            raise ValueError("this store row has no feature layers; re-featurize with features.layers set")
+        stacked = decode_features(row["layers"], row.get("layer_scales"), hidden_size)  # (T*k, H)
+        out["layers"] = stacked.reshape(hidden.shape[0], -1)  # (T, k*H)
+    return out
 
 
 # ---- writing -------------------------------------------------------------------------------
-def part_table(rows: dict[str, Any], dtype: str, hidden_size: int) -> pa.Table:
-    """Columns (B,) of sample_id, input_ids, loss_mask, hidden bytes [, scales] -> an Arrow table."""
+def part_table(rows: dict[str, Any], dtype: str, hidden_size: int, layers: tuple[int, ...] = ()) -> pa.Table:
+    """Columns (B,) of sample_id, input_ids, loss_mask, hidden bytes [, scales] [, layers bytes
+    [, layer_scales]] -> an Arrow table. ``layers``: the hidden-state indices in the layers column."""
     columns = {
         "sample_id": pa.array(list(rows["sample_id"]), pa.string()),
         "input_ids": pa.array(list(rows["input_ids"]), pa.list_(pa.int32())),
@@ -100,10 +116,17 @@ def part_table(rows: dict[str, Any], dtype: str, hidden_size: int) -> pa.Table:
     }
     if dtype == "fp8":
         columns["scales"] = pa.array(list(rows["scales"]), pa.list_(pa.float32()))
+    if layers:
+        columns["layers"] = pa.array(list(rows["layers"]), pa.large_binary())
+        if dtype == "fp8":
+            columns["layer_scales"] = pa.array(list(rows["layer_scales"]), pa.list_(pa.float32()))
     metadata = {"griffin.schema_version": str(SCHEMA_VERSION), "griffin.dtype": dtype,
                 "griffin.hidden_size": str(hidden_size), "griffin.layer": LAYER,
+                "griffin.feature_layers": ",".join(map(str, layers)),
                 "griffin.layout": "hidden: row-major (seq_len, hidden_size), little-endian; bf16 bits, or "
-                                  "float8_e4m3fn bits times the row's per-token fp32 scales"}
+                                  "float8_e4m3fn bits times the row's per-token fp32 scales; layers: "
+                                  "(seq_len, len(feature_layers), hidden_size) the same way, scales per "
+                                  "(token, layer)"}
     return pa.table(columns).replace_schema_metadata(metadata)
 
 
@@ -262,24 +285,35 @@ def _lists(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 def _rows(batch: pa.RecordBatch) -> Iterator[dict[str, Any]]:
     """Rows of a record batch as numpy views and Arrow buffers (no copies of the features)."""
     (id_offsets, ids), (mask_offsets, masks) = _lists(batch["input_ids"]), _lists(batch["loss_mask"])
-    hidden = batch["hidden"]
-    offsets = np.frombuffer(hidden.buffers()[1], dtype=np.int64)[hidden.offset: hidden.offset + len(hidden) + 1]
-    data = hidden.buffers()[2]
+    offsets, data = _binary(batch["hidden"])
     scales = _lists(batch["scales"]) if "scales" in batch.schema.names else None
+    layers = _binary(batch["layers"]) if "layers" in batch.schema.names else None
+    layer_scales = _lists(batch["layer_scales"]) if "layer_scales" in batch.schema.names else None
     for i, (sample_id, seq_len) in enumerate(zip(batch["sample_id"].to_pylist(), batch["seq_len"].to_numpy())):
         yield {"sample_id": sample_id, "seq_len": int(seq_len),
                "input_ids": ids[id_offsets[i]: id_offsets[i + 1]],
                "loss_mask": masks[mask_offsets[i]: mask_offsets[i + 1]],
                "hidden": data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])),
-               "scales": None if scales is None else scales[1][scales[0][i]: scales[0][i + 1]]}
+               "scales": None if scales is None else scales[1][scales[0][i]: scales[0][i + 1]],
+               "layers": None if layers is None else layers[1].slice(int(layers[0][i]), int(layers[0][i + 1] - layers[0][i])),
+               "layer_scales": None if layer_scales is None else layer_scales[1][layer_scales[0][i]: layer_scales[0][i + 1]]}
 
 
-def iter_rows(files: list[str]) -> Iterator[dict[str, Any]]:
-    """Every row of ``files`` in order, streamed record batch by record batch."""
+def _binary(column: pa.Array) -> tuple[np.ndarray, pa.Buffer]:
+    """A large_binary column's offsets and data buffer (zero-copy)."""
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64)[column.offset: column.offset + len(column) + 1]
+    return offsets, column.buffers()[2]
+
+
+def iter_rows(files: list[str], layers: bool = False) -> Iterator[dict[str, Any]]:
+    """Every row of ``files`` in order, streamed record batch by record batch; the feature-layer
+    columns are read only with ``layers`` (they are k times the size of the rest)."""
     for path in files:
         fs, local = _fs(path)
         with fs.open_input_file(local) as f:
-            for batch in pq.ParquetFile(f).iter_batches(batch_size=64):
+            parquet = pq.ParquetFile(f)
+            columns = [c for c in parquet.schema_arrow.names if layers or c not in LAYER_COLUMNS]
+            for batch in parquet.iter_batches(batch_size=64, columns=columns):
                 yield from _rows(batch)
 
 
@@ -290,22 +324,28 @@ def _pad(rows: list[dict[str, torch.Tensor]], sample_ids: list[str]) -> dict[str
            "attention_mask": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
            "features": torch.zeros(batch, longest, hidden_size, dtype=torch.bfloat16),  # (B, T, H)
            "sample_ids": sample_ids}
+    if "layers" in rows[0]:
+        out["layer_features"] = torch.zeros(batch, longest, rows[0]["layers"].shape[1], dtype=torch.bfloat16)  # (B, T, k*H)
     for b, row in enumerate(rows):
         n = row["input_ids"].shape[0]
         out["input_ids"][b, :n], out["loss_mask"][b, :n] = row["input_ids"], row["loss_mask"]
         out["attention_mask"][b, :n], out["features"][b, :n] = 1, row["hidden"]
+        if "layers" in row:
+            out["layer_features"][b, :n] = row["layers"]
     return out
 
 
-def pad_batches(rows: Iterable[dict[str, Any]], batch_tokens: int, hidden_size: int) -> Iterator[dict[str, Any]]:
-    """Consecutive rows grouped so that B * T_max <= batch_tokens (a longer row goes alone), right-padded."""
+def pad_batches(rows: Iterable[dict[str, Any]], batch_tokens: int, hidden_size: int,
+                layers: bool = False) -> Iterator[dict[str, Any]]:
+    """Consecutive rows grouped so that B * T_max <= batch_tokens (a longer row goes alone), right-padded;
+    with ``layers``, batches also hold ``layer_features`` (B, T, k*H)."""
     group, ids, longest = [], [], 0
     for row in rows:
         n = int(row["seq_len"])
         if group and (len(group) + 1) * max(longest, n) > batch_tokens:
             yield _pad(group, ids)
             group, ids, longest = [], [], 0
-        group.append(decode_row(row, hidden_size))
+        group.append(decode_row(row, hidden_size, layers))
         ids.append(row["sample_id"])
         longest = max(longest, n)
     if group:

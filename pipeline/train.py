@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from griffin.config import StagePlan
+from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
 from griffin.target import fast_bf16
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
@@ -90,7 +90,7 @@ def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: b
     where a decode's do (the "draft" window), whatever window training uses, so that drafts trained
     either way are scored alike."""
     batches = [batch for batch, _ in shifted_batches(iter(eval_rows), cfg.train.batch_tokens, draft.cfg.hidden_size,
-                                                     target_head.device, window="draft")]
+                                                     target_head.device, "draft", bool(draft.cfg.feature_layers))]
     return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
 
 
@@ -123,9 +123,10 @@ def train_worker(config: dict[str, Any]) -> None:
     scheduler = make_scheduler(optimizer, method, plan)
     step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
     files, eval_ids = config["files"], set(config["eval_ids"])
-    rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed)
-    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window)
-    eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True)) if i % world == rank]
+    layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
+    rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed, layers)
+    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window, layers)
+    eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True, layers=layers)) if i % world == rank]
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, eval_rows, cfg, target.head_weight.to(device), bf16)
     client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
@@ -303,6 +304,16 @@ def _checked_init(cfg: RunConfig, target) -> str | None:
     return str(draft_dir)
 
 
+def _check_store_layers(cfg: RunConfig, target, manifest: dict[str, Any]) -> None:
+    """A multi-layer draft (EAGLE-3, GRIFFIN-3) trains only on a store holding exactly its layers."""
+    wanted = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides).feature_layers
+    stored = manifest["capture_key"].get("feature_layers")
+    if wanted and list(wanted) != stored:
+        raise ValueError(f"draft.variant={cfg.draft.variant!r} reads target layers {list(wanted)}, but the feature store "
+                         f"{cfg.store_path} holds {stored or 'only the final feature'}; featurize into a new "
+                         f"features.store with features.layers={list(wanted)} (or 'auto')")
+
+
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     """Train every stage of ``cfg.train.schedule`` (or only ``stage``), resuming where it stopped."""
     schedule = cfg.train.schedule
@@ -311,6 +322,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     ensure_ray(cfg)
     target = load_target(cfg.target)
     manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len)
+    _check_store_layers(cfg, target, manifest)
     manifest_sha = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()
     eval_ids = eval_split(cfg.store_path, cfg.train.eval_fraction)
     d2t = None

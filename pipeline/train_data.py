@@ -64,12 +64,14 @@ def reduced_vocabulary(store: str, size: int, vocab_size: int, exclude: set[str]
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
-def split_rows(files: list[str], ids: set[str], keep: bool) -> Iterator[dict]:
-    """Rows whose sample id is in ``ids`` (keep=True) or not (keep=False)."""
-    return (row for row in iter_rows(files) if (row["sample_id"] in ids) == keep)
+def split_rows(files: list[str], ids: set[str], keep: bool, layers: bool = False) -> Iterator[dict]:
+    """Rows whose sample id is in ``ids`` (keep=True) or not (keep=False); ``layers``: with the
+    feature-layer columns."""
+    return (row for row in iter_rows(files, layers) if (row["sample_id"] in ids) == keep)
 
 
-def rank_rows(files: list[str], exclude: set[str], rank: int, world: int, seed: int, skip: int) -> Iterator[dict]:
+def rank_rows(files: list[str], exclude: set[str], rank: int, world: int, seed: int, skip: int,
+              layers: bool = False) -> Iterator[dict]:
     """This rank's endless stream of train rows (epoch after epoch), after skipping ``skip`` rows."""
     epoch, seen = 0, 0
     while True:
@@ -77,7 +79,7 @@ def rank_rows(files: list[str], exclude: set[str], rank: int, world: int, seed: 
         rng = random.Random(f"{seed}-{epoch}")
         index = 0
         emitted = False
-        for row in _windowed_shuffle(split_rows(files, exclude, keep=False), rng, window):
+        for row in _windowed_shuffle(split_rows(files, exclude, keep=False, layers=layers), rng, window):
             if index % world == rank:
                 emitted = True
                 if seen >= skip:
@@ -102,8 +104,9 @@ def _windowed_shuffle(rows, rng: random.Random, window: list[dict]) -> Iterator[
 
 
 def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, device,
-                    window: LossWindow = "draft") -> Iterator[tuple[ShiftedBatch, list[str]]]:
-    """Padded, shifted training batches and the "<epoch>:<sample id>" of each row in them."""
+                    window: LossWindow = "draft", layers: bool = False) -> Iterator[tuple[ShiftedBatch, list[str]]]:
+    """Padded, shifted training batches and the "<epoch>:<sample id>" of each row in them; with
+    ``layers`` the batches' inputs are the rows' feature layers (a multi-layer draft's)."""
     epochs: dict[str, int] = {}
 
     def remember(stream):
@@ -111,9 +114,10 @@ def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, d
             epochs[row["sample_id"]] = row.get("epoch", 0)
             yield row
 
-    for batch in pad_batches(remember(rows), batch_tokens, hidden_size):
+    for batch in pad_batches(remember(rows), batch_tokens, hidden_size, layers):
         shifted = shift_batch(
             batch["features"].to(device), batch["input_ids"].to(device),
             batch["loss_mask"].to(device), batch["attention_mask"].to(device), window,
+            batch["layer_features"].to(device) if layers else None,
         )
         yield shifted, [f"{epochs[sid]}:{sid}" for sid in batch["sample_ids"]]

@@ -152,6 +152,9 @@ class OracleDraft(torch.nn.Module):
     def to_target_ids(self, ids):
         return ids
 
+    def fuse_target(self, features):
+        return features
+
     def step(self, features, tokens, positions, cache, mask):
         del self.entry_tokens[cache.length:]  # the tree code rolls back cache.length each round
         self.entry_tokens.extend(tokens[0].tolist())
