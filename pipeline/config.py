@@ -132,7 +132,7 @@ class TrackingSection(Section):
 
 
 class RegistrySection(Section):
-    model_name: str | None = Field(default=None, description="default <target-slug>-griffin")
+    model_name: str | None = Field(default=None, description="default <target-slug>-<draft.variant>")
     benchmark: str = "mt_bench"
 
 
@@ -270,7 +270,7 @@ class RunConfig(Section):
 
     @property
     def model_name(self) -> str:
-        return self.registry.model_name or f"{self.target_slug}-griffin"
+        return self.registry.model_name or f"{self.target_slug}-{self.draft.variant}"
 
     @property
     def eval_tree(self) -> TreeConfig:

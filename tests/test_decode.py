@@ -106,18 +106,19 @@ def _exact_joint(target, prompt, sampling):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
-                                      SamplingConfig(temperature=0.7, top_p=0.8)], ids=["T1", "T0.7-top_p"])
-def test_sampling_matches_target_end_to_end(sampling):
+@pytest.mark.parametrize("variant,sampling,n", [
+    ("griffin", SamplingConfig(temperature=1.0), 2500), ("griffin", SamplingConfig(temperature=0.7, top_p=0.8), 2500),
+    ("eagle3", SamplingConfig(temperature=1.0), 1000)], ids=["T1", "T0.7-top_p", "eagle3-T1"])
+def test_sampling_matches_target_end_to_end(variant, sampling, n):
     """Joint law of the first two sampled tokens (the second goes through tree verification) ==
-    the target's, by a chi-square test over 2500 seeded generations (the 20k-draw test of the
-    verifier itself is in test_sampling.py)."""
+    the target's, by a chi-square test over n seeded generations (the 20k-draw test of the
+    verifier itself is in test_sampling.py). EAGLE-3 reads the target's layer 2 (of 5)."""
     from scipy.stats import chisquare
 
-    target = make_target("llama", vocab_size=8, seed=7)
-    draft = GriffinDraft.for_target(target)
+    target = make_target("llama", vocab_size=8, seed=7, **({"num_hidden_layers": 5} if variant == "eagle3" else {}))
+    draft = GriffinDraft.for_target(target, variant=variant)
     torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)  # a confident, wrong-ish draft
-    prompt, n, tree = torch.tensor([[1, 4, 3]]), 2500, TreeConfig(total_tokens=6, depth=3, top_k=3)
+    prompt, tree = torch.tensor([[1, 4, 3]]), TreeConfig(total_tokens=6, depth=3, top_k=3)
     counts = torch.zeros(8, 8)
     for seed in range(n):
         out = speculative_generate(target, draft, prompt, tree, sampling, 2, torch.Generator().manual_seed(seed),

@@ -29,11 +29,13 @@ def overrides(tmp_path, name):
 
 @pytest.mark.timeout(900)
 def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
-    # every optional step too: the target's own answers as training data, the tree tuned here. One
-    # training stage: each stage is a Ray Train run of its own, and a schedule's stages, each from the
+    # every optional step too: the target's own answers as training data, the tree tuned here. The
+    # EAGLE-3 variant, so that its target layers go through every stage (featurize's layers column,
+    # training, the registry, Serve); the interrupt test below runs GRIFFIN. One training stage of two
+    # unrolled steps: each stage is a Ray Train run of its own, and a schedule's stages, each from the
     # previous best, are test_train.py's three-stage run
-    steps = ["data.source=regenerated", "regenerate.max_new_tokens=24", "decode.tune=true", "decode.tune_prompts=1",
-             "decode.tune_max_new_tokens=8", "train.schedule=[{stage: 1, steps: 6, lr: 0.003}]"]
+    steps = ["draft.variant=eagle3", "data.source=regenerated", "regenerate.max_new_tokens=24", "decode.tune=true",
+             "decode.tune_prompts=1", "decode.tune_max_new_tokens=8", "train.schedule=[{stage: 2, steps: 6, lr: 0.003}]"]
     first = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"), *steps)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
@@ -43,12 +45,13 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     # the console is a line per stage; Ray's, MLflow's and the workers' output goes to the log it names
     log = Path(out.splitlines()[0].split("logs in ")[1])
     assert "Traceback" not in out + first.stderr and "WARNING" not in out + first.stderr and first.stderr == ""
-    assert len(out.splitlines()) < 40 and out.count("[train stage 1/1]") == 1 and log.stat().st_size > 0
+    assert len(out.splitlines()) < 40 and out.count("[train stage 2]") == 1 and log.stat().st_size > 0
     run_dir = tmp_path / "e2e"
     summary = json.loads((run_dir / "run_summary.json").read_text())
     for key in ("report", "best_draft"):
         assert Path(summary["locations"][key]).exists()
-    assert json.loads((run_dir / "features" / "_manifest.json").read_text())["complete"] is True
+    manifest = json.loads((run_dir / "features" / "_manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["capture_key"]["feature_layers"] == [1, 2]
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert report["mode"] == "through_serve" and report["summary"]["results"]["mt_bench/T0"]["mismatches"] == 0
     tuned = json.loads((run_dir / "tune_tree" / "tune_tree.json").read_text())["best"]
@@ -61,9 +64,9 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # explicit: another test in this process may have set a registry URI
     client = mlflow.tracking.MlflowClient(tracking_uri=store, registry_uri=store)
-    versions = client.search_model_versions("name = 'tiny-llama-griffin'")
+    versions = client.search_model_versions("name = 'tiny-llama-eagle3'")
     assert len(versions) == 1
-    assert client.get_model_version_by_alias("tiny-llama-griffin", "champion").version == versions[0].version
+    assert client.get_model_version_by_alias("tiny-llama-eagle3", "champion").version == versions[0].version
     tags = versions[0].tags  # the evaluation's tau, and which tree and run measured it
     tree = json.loads((run_dir / "eval" / "report.json").read_text())["tree"]
     assert float(tags["eval.mt_bench.T0.tau"]) >= 1.0 and tags["eval_run_id"]
@@ -71,10 +74,10 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
 
     second = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"), *steps)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "stage 1 already complete" in second.stdout, second.stdout
+    assert "stage 2 already complete" in second.stdout, second.stdout
     assert "(already complete)" in second.stdout and "tune-tree for" in second.stdout
     assert "reused" in second.stdout and len(second.stdout.splitlines()) < 40  # a console a person can read
-    assert len(client.search_model_versions("name = 'tiny-llama-griffin'")) == 1
+    assert len(client.search_model_versions("name = 'tiny-llama-eagle3'")) == 1
 
 
 @pytest.mark.timeout(900)
