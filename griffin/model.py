@@ -212,6 +212,11 @@ class GriffinDraft(nn.Module):
         if cfg.feature_layers:  # k target layers (B, T, k*D) -> (B, T, D); no bias, as EAGLE-3's fc
             self.feature_fc = nn.Linear(cfg.input_feature_size, D, bias=False)
         self.fusion = ConcatInput(cfg) if cfg.decoder_input == "concat" else TokenGuidedFusion(cfg)
+        if cfg.feature_layers and cfg.decoder_input == "fused":
+            # GRIFFIN-3: a norm on every feature entering TGF, as EAGLE-3's hidden_norm. Middle layers
+            # carry massive activations (SmolLM2: |x| up to 24,960 at layers 15 and 27, RMS ~35),
+            # which the post-norm final feature GRIFFIN was built for never has
+            self.feature_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.layer = DraftDecoderLayer(cfg)
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         head = head_weight.detach() if d2t is None else head_weight.detach()[d2t.to(head_weight.device)]
@@ -294,6 +299,8 @@ class GriffinDraft(nn.Module):
         """(residual (B, T, D), attention input (B, T, D_in)) of one stream."""
         if self.cfg.decoder_input == "concat":
             return self.fusion(embeds, features)
+        if self.cfg.feature_layers:
+            features = self.feature_norm(features)
         fused = self.fusion(embeds, features)
         return fused, fused
 
