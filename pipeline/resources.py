@@ -58,14 +58,20 @@ def load_target(section: TargetSection, decoding: bool = False) -> TargetAdapter
     return target
 
 
-def feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
-    """The target hidden states that featurize stores beside the final feature: ``features.layers``,
-    or with "auto" the ones the configured draft reads (``DraftConfig.feature_layers``)."""
+def draft_feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
+    """The target hidden states the configured draft reads (``DraftConfig.feature_layers``); () for a
+    draft that reads the final feature."""
     from griffin.config import DraftConfig
 
+    draft = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides)
+    return tuple(draft.feature_layers or ())
+
+
+def feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
+    """The target hidden states that featurize stores beside the final feature: ``features.layers``,
+    or with "auto" the ones the configured draft reads."""
     if cfg.features.layers == "auto":
-        draft = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides)
-        layers = tuple(draft.feature_layers or ())
+        layers = draft_feature_layers(cfg, target)
     else:
         layers = tuple(cfg.features.layers)
     count = target.hf_config.get_text_config().num_hidden_layers

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from griffin.config import DraftConfig, StagePlan
+from griffin.config import StagePlan
 from griffin.model import GriffinDraft
 from griffin.target import fast_bf16
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
@@ -35,7 +35,7 @@ from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.console import Progress, say
 from pipeline.runtime import ensure_ray, setup_mlflow
 from pipeline.store import check_capture_key, part_files
-from pipeline.resources import check_lineage, load_target, resolve_draft, target_fingerprint
+from pipeline.resources import check_lineage, draft_feature_layers, load_target, resolve_draft, target_fingerprint
 from pipeline.train_data import eval_split, rank_rows, reduced_vocabulary, shifted_batches, split_rows
 
 SCORE = "eval/sim_accept_len"
@@ -306,7 +306,7 @@ def _checked_init(cfg: RunConfig, target) -> str | None:
 
 def _check_store_layers(cfg: RunConfig, target, manifest: dict[str, Any]) -> None:
     """A multi-layer draft (EAGLE-3, GRIFFIN-3) trains only on a store holding exactly its layers."""
-    wanted = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides).feature_layers
+    wanted = draft_feature_layers(cfg, target)
     stored = manifest["capture_key"].get("feature_layers")
     if wanted and list(wanted) != stored:
         raise ValueError(f"draft.variant={cfg.draft.variant!r} reads target layers {list(wanted)}, but the feature store "
