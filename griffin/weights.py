@@ -50,6 +50,7 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -146,7 +147,7 @@ def _bind(cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source:
     return draft.cast_parameters(dtype) if dtype is not None else draft
 
 
-# ---- export layoutsthe name maps are data) ------------------------------------
+# ---- export layouts (the name maps are data) -----------------------------------
 # Each map is {our state-dict name: the layout's name}. Frozen target tensors are not ours to map:
 # exports that need the embedding add it under the layout's own name.
 
@@ -190,12 +191,41 @@ HF_NAMES: dict[str, str] = {
     "fusion.up_proj.weight": "model.fusion.up_proj.weight",
     "fusion.down_proj.weight": "model.fusion.down_proj.weight",
     **{ours: f"model.{upstream}" for ours, upstream in LAYER_UPSTREAM_NAMES.items()},
+    # the multi-layer variants (EAGLE-3, GRIFFIN-3): the feature fc, EAGLE-3's input norms, GRIFFIN-3's
+    # feature norm, and the draft's own final norm and head
+    "feature_fc.weight": "model.feature_fc.weight",
+    "fusion.input_layernorm.weight": "model.input_layernorm.weight",
+    "fusion.hidden_norm.weight": "model.hidden_norm.weight",
+    "feature_norm.weight": "model.feature_norm.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
     "d2t": "d2t",
 }
 
+# EAGLE-3's layout (docs/design.md §6): vLLM speculators' ``Eagle3DraftModel`` keeps the one layer
+# as ``layers.0``, SpecForge's ``LlamaForCausalLMEagle3`` (what SGLang loads) as ``midlayer``.
+# Both store ``d2t`` as offsets (target id = draft id + d2t[draft id]) and ``t2d`` as a mask over
+# the target vocabulary, so draft ids must ascend with target ids.
+EAGLE3_LAYER_PREFIX = {"speculators": "layers.0", "specforge": "midlayer"}
+
+
+def eagle3_names(layer_prefix: str) -> dict[str, str]:
+    return {
+        "feature_fc.weight": "fc.weight",
+        "fusion.input_layernorm.weight": f"{layer_prefix}.input_layernorm.weight",  # the embedding's norm
+        "fusion.hidden_norm.weight": f"{layer_prefix}.hidden_norm.weight",  # the fused features' norm
+        **{ours: theirs.replace("layers.0", layer_prefix) for ours, theirs in LAYER_UPSTREAM_NAMES.items()},
+        "norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+
+
+# The speculators release whose loader the tests run against our export (tests/test_export_eagle3.py).
+SPECULATORS_VERSION = "0.9.0"
+
 UPSTREAM_EMBED, HF_EMBED = "embed_tokens.weight", "model.embed_tokens.weight"
 UPSTREAM_WEIGHTS_NAME = "pytorch_model.bin"
-EXPORT_LAYOUTS = ("griffin-upstream", "hf")
+EXPORT_LAYOUTS = ("griffin-upstream", "hf", "speculators", "specforge")
 
 
 def _rename(state: dict[str, torch.Tensor], names: dict[str, str], what: str) -> dict[str, torch.Tensor]:
@@ -244,6 +274,132 @@ def from_hf(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], to
     return _rename(state, _inverse(HF_NAMES), "from_hf"), embed
 
 
+def ascending_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same draft with its reduced vocabulary in target-id order, as EAGLE-3's ``t2d`` mask
+    implies: ``d2t`` sorted and the trainable head's rows permuted alike. Our own vocabularies are
+    built sorted (``reduced_vocabulary``); a hand-made ``d2t`` may not be."""
+    d2t = state.get("d2t")
+    if d2t is None or bool((d2t[1:] > d2t[:-1]).all()):
+        return state
+    order = torch.argsort(d2t)
+    return {**state, "d2t": d2t[order], "lm_head.weight": state["lm_head.weight"][order]}
+
+
+def to_eagle3(state: dict[str, torch.Tensor], cfg: DraftConfig, embed_weight: torch.Tensor,
+              layout: str) -> dict[str, torch.Tensor]:
+    """Our ``eagle3`` state dict -> speculators' or SpecForge's, with the target embedding as
+    ``embed_tokens.weight`` and a reduced vocabulary as offset ``d2t`` + ``t2d`` mask."""
+    if cfg.variant != "eagle3":
+        raise ValueError(
+            f"--to {layout} writes EAGLE-3 drafts, and this one is {cfg.variant!r}: no EAGLE-3 loader runs its "
+            "architecture. Export it with --to hf (or --to griffin-upstream for a full-vocabulary GRIFFIN draft)"
+        )
+    state = dict(ascending_vocab(state))
+    d2t = state.pop("d2t", None)
+    tensors = {**_rename(state, eagle3_names(EAGLE3_LAYER_PREFIX[layout]), f"to_{layout}"), UPSTREAM_EMBED: embed_weight}
+    if d2t is not None:
+        tensors["d2t"] = d2t - torch.arange(d2t.numel())
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[d2t] = True
+        tensors["t2d"] = t2d
+    return tensors
+
+
+def from_eagle3(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A speculators or SpecForge EAGLE-3 state dict -> (our state dict, the embedding it carried)."""
+    tensors = dict(tensors)
+    embed = tensors.pop(UPSTREAM_EMBED, None)
+    tensors.pop("t2d", None)
+    offsets = tensors.pop("d2t", None)
+    layout = "specforge" if any(k.startswith("midlayer.") for k in tensors) else "speculators"
+    state = _rename(tensors, _inverse(eagle3_names(EAGLE3_LAYER_PREFIX[layout])), f"from_{layout}")
+    if offsets is not None:
+        state["d2t"] = offsets + torch.arange(offsets.numel())
+    return state, embed
+
+
+def _eagle3_layer_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """EAGLE-3's decoder layer as transformers ``LlamaConfig`` fields (the target's vocabulary)."""
+    return {
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, **_dtype_fields(dtype),
+    }
+
+
+def _dtype_fields(dtype: torch.dtype) -> dict[str, str]:
+    name = str(dtype).removeprefix("torch.")
+    return {"dtype": name, "torch_dtype": name}  # transformers 5 reads dtype, 4.x (older vLLM) torch_dtype
+
+
+def eagle3_config(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: dict[str, Any],
+                  provenance: dict[str, Any]) -> dict[str, Any]:
+    """``config.json`` of an EAGLE-3 export, plus our ``griffin`` section for a bit-exact reload.
+
+    - speculators: ``Eagle3SpeculatorConfig`` (what vLLM reads): the layer config nested, the target
+      layers as ``eagle_aux_hidden_state_layer_ids`` (HF hidden_states indices, as vLLM numbers
+      them), and ``speculators_config.verifier`` = ``verifier`` (``name_or_path``, ``architectures``).
+    - specforge: the flat ``LlamaForCausalLMEagle3`` config, the layers under ``eagle_config``."""
+    layers, ours = list(cfg.feature_layers or ()), {"griffin": cfg.model_dump(), "provenance": provenance,
+                                                     "layout": layout}
+    layer = _eagle3_layer_config(cfg, dtype)
+    if layout == "specforge":
+        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.active_vocab_size,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True}, **ours}
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", **_dtype_fields(dtype),
+        "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.active_vocab_size, "eagle_aux_hidden_state_layer_ids": layers,
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+        },
+        **ours,
+    }
+
+
+def eagle3_draft_config(raw: dict[str, Any]) -> DraftConfig:
+    """The DraftConfig of an EAGLE-3 directory: ours when we wrote it, else read from the
+    speculators or SpecForge config of a draft trained elsewhere."""
+    if "griffin" in raw:
+        return DraftConfig(**raw["griffin"])
+    layer = raw.get("transformer_layer_config") or raw
+    unsupported = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
+    if layer.get("num_hidden_layers", 1) != 1:
+        unsupported.append(f"num_hidden_layers={layer['num_hidden_layers']}")
+    if layer.get("head_dim") not in (None, layer["hidden_size"] // layer["num_attention_heads"]):
+        unsupported.append(f"head_dim={layer['head_dim']}")
+    if unsupported:
+        raise ValueError(f"this EAGLE-3 draft uses {unsupported}, which the draft here does not implement")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ValueError("config.json names no target layers: add eagle_aux_hidden_state_layer_ids "
+                         "(HF hidden_states indices, e.g. [2, L/2, L-3] for an L-layer target)")
+    rope = layer.get("rope_parameters") or {}
+    vocab, draft_vocab = layer["vocab_size"], raw.get("draft_vocab_size")
+    return DraftConfig(
+        variant="eagle3", hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        vocab_size=vocab, draft_vocab_size=None if draft_vocab in (None, vocab) else draft_vocab,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
+        max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        token_guided_fusion=False, token_enhanced_head=False, feature_layers=tuple(ids),
+        decoder_input="concat", trainable_head=True,
+    )
+
+
+def _is_eagle3(raw: dict[str, Any]) -> bool:
+    return raw.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in (raw.get("architectures") or [])
+
+
 def upstream_draft_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -> DraftConfig:
     """The DraftConfig of an upstream checkpoint: ours when we wrote it, else inferred from the
     official ``config.json`` and the weights (TGF from ``fc.fc.*``, TEH from the 2H-wide down_proj)."""
@@ -268,16 +424,21 @@ def upstream_draft_config(raw: dict[str, Any], state: dict[str, torch.Tensor]) -
 
 
 def read_export(path: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor], torch.Tensor | None]:
-    """(DraftConfig, our state dict, embedding or None) of an upstream-layout or hf-layout directory."""
+    """(DraftConfig, our state dict, embedding or None) of a directory in any export layout."""
     path = Path(path)
     if (path / UPSTREAM_WEIGHTS_NAME).is_file():
         raw = json.loads((path / CONFIG_NAME).read_text())
         upstream = torch.load(path / UPSTREAM_WEIGHTS_NAME, map_location="cpu", weights_only=True)
         state, embed = from_upstream(upstream)
         return upstream_draft_config(raw, upstream), state, embed
+    raw = json.loads((path / CONFIG_NAME).read_text()) if (path / CONFIG_NAME).is_file() else {}
+    if _is_eagle3(raw):
+        state, embed = from_eagle3(load_file(path / WEIGHTS_NAME))
+        return eagle3_draft_config(raw), state, embed
     cfg, raw = read_draft_config(path)
     if raw.get("layout") != "hf":
-        raise ValueError(f"{path} is neither a griffin-upstream ({UPSTREAM_WEIGHTS_NAME}) nor an hf export")
+        raise ValueError(f"{path} is not a griffin-upstream ({UPSTREAM_WEIGHTS_NAME}), hf, speculators or "
+                         "specforge export")
     state, embed = from_hf(load_file(path / WEIGHTS_NAME))
     return cfg, state, embed
 
@@ -299,34 +460,49 @@ def _export_config(cfg: DraftConfig, provenance: dict[str, Any], layout: str, dt
     return config
 
 
-def export_draft(path: str | Path, out: str | Path, layout: str, target: Any) -> Path:
+def export_draft(path: str | Path, out: str | Path, layout: str, target: Any,
+                 verifier: str | None = None) -> Path:
     """Write draft directory ``path`` in ``layout`` under ``out``, then reload it and check that every
     tensor (and the embedding) comes back bit-exactly.
 
     - ``griffin-upstream``: ``config.json`` (LlamaConfig fields + ``bias``) and ``pytorch_model.bin``
       (a plain tensor dict, ``GRIFFIN_UPSTREAM_NAMES`` or ``EAGLE_UPSTREAM_NAMES`` + ``embed_tokens.weight``).
     - ``hf``: ``config.json`` (+ ``layout: hf``) and ``model.safetensors`` with ``HF_NAMES`` +
-      ``model.embed_tokens.weight``; keeps a reduced vocabulary's ``d2t``."""
+      ``model.embed_tokens.weight``; keeps a reduced vocabulary's ``d2t``.
+    - ``speculators`` / ``specforge`` (``eagle3`` drafts only): ``config.json`` (``eagle3_config``) and
+      ``model.safetensors`` with ``eagle3_names``. ``verifier`` is the target as the consumer should
+      load it (an HF id or a path; default: where this target was loaded from)."""
     if layout not in EXPORT_LAYOUTS:
         raise ValueError(f"unknown export layout {layout!r}; choose one of {EXPORT_LAYOUTS}")
     cfg, raw = read_draft_config(path)
     check_compatible(cfg, target)
     state = load_file(Path(path) / WEIGHTS_NAME)
     embed = target.embed_weight.detach().cpu().contiguous()
+    provenance = raw.get("provenance") or {}
+    weights_name = UPSTREAM_WEIGHTS_NAME if layout == "griffin-upstream" else WEIGHTS_NAME
+    if layout == "griffin-upstream":
+        tensors, config = to_upstream(state, cfg, embed), _export_config(cfg, provenance, layout, embed.dtype)
+    elif layout == "hf":
+        tensors, config = to_hf(state, embed), _export_config(cfg, provenance, layout, embed.dtype)
+    else:
+        tensors = to_eagle3(state, cfg, embed, layout)
+        state = ascending_vocab(state)  # what the export holds, draft ids in target-id order
+        hf_config = target.hf_config.get_text_config()
+        verifier_config = {"name_or_path": verifier or getattr(hf_config, "_name_or_path", None) or None,
+                           "architectures": list(getattr(target.hf_config, "architectures", None)
+                                                 or [type(target.model).__name__])}
+        config = eagle3_config(cfg, layout, tensors["fc.weight"].dtype, verifier_config, provenance)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if layout == "griffin-upstream":
-        tensors, weights_name = to_upstream(state, cfg, embed), UPSTREAM_WEIGHTS_NAME
-    else:
-        tensors, weights_name = to_hf(state, embed), WEIGHTS_NAME
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{weights_name}.")
     os.close(fd)
     if layout == "griffin-upstream":
         torch.save(tensors, tmp)
     else:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a copied export from other users (a serving account)
     os.replace(tmp, out / weights_name)
-    _atomic_write_json(out / CONFIG_NAME, _export_config(cfg, raw.get("provenance") or {}, layout, embed.dtype))
+    _atomic_write_json(out / CONFIG_NAME, config)
     _check_export(out, cfg, state, embed)
     load_export(out, target)  # and it binds to the target strictly
     return out

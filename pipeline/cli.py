@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint", help="a draft directory (default: the run's best checkpoint)")
             p.add_argument("--promote", action="store_true", help="move 'champion' if tau beats it")
         if name == "export":
-            p.add_argument("--to", required=True, choices=["griffin-upstream", "hf"])
+            p.add_argument("--to", required=True, choices=["griffin-upstream", "hf", "speculators", "specforge"],
+                           help="griffin-upstream | hf (any variant) | speculators, specforge (eagle3 drafts)")
+            p.add_argument("--verifier", help="speculators/specforge: the target as the consumer loads it, an HF "
+                                              "id or a path (default: where this run's target was loaded from)")
         if name in ("export", "ship"):
             p.add_argument("--source", help="draft directory or models:/ URI (export's default: the run's best)")
             p.add_argument("--out", help="output directory (ship's default: drafts/<target>/<variant>)")

@@ -225,12 +225,14 @@ def run_register(cfg: RunConfig, checkpoint: str | None = None, promote: bool = 
 promote_version = promote  # run_register's ``promote`` flag shadows the function's name
 
 
-def run_export(cfg: RunConfig, to: str, source: str | None = None, out: str | None = None) -> dict[str, Any]:
-    """``griffin export --to griffin-upstream|hf``: write, reload and check the export."""
+def run_export(cfg: RunConfig, to: str, source: str | None = None, out: str | None = None,
+               verifier: str | None = None) -> dict[str, Any]:
+    """``griffin export --to griffin-upstream|hf|speculators|specforge``: write, reload and check the export."""
     draft_dir = resolve_draft(source, cfg) if source else default_checkpoint(cfg)
     target = load_target(cfg.target)
     check_lineage(draft_dir, target, source)
-    out_dir = export_draft(draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target)
+    out_dir = export_draft(draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target,
+                           verifier=verifier)
     return {"layout": to, "out": str(out_dir), "files": sorted(p.name for p in out_dir.iterdir())}
 
 

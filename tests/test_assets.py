@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from griffin import assets
-from griffin.assets import ASSETS, MARKER, Asset, Part, prepare_asset, resolve_target_path
+from griffin.assets import ASSETS, CACHE_LAYOUT, MARKER, Asset, Part, prepare_asset, resolve_target_path
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -67,7 +68,7 @@ def test_complete_marker_short_circuits(fake_split_asset, tmp_path):
     target = tmp_path / "targets" / "fake"
     target.mkdir(parents=True)
     parts = [p.requirement for p in fake_split_asset.parts]
-    (target / MARKER).write_text(json.dumps({"parts": parts, "sha256": fake_split_asset.sha256}))
+    (target / MARKER).write_text(json.dumps({"parts": parts, "sha256": fake_split_asset.sha256, "layout": CACHE_LAYOUT}))
     # The sha256 in the table is wrong for the fake parts: had it rebuilt, this would raise.
     assert prepare_asset("fake", cache_dir=tmp_path, install=False) == target
 
@@ -118,6 +119,9 @@ def test_smollm2_cache_contents(smollm2_dir):
         "llama", 576, 30, 49152,
     )
     assert config.tie_word_embeddings
+    with safe_open(smollm2_dir / "model.safetensors", "pt") as weights:  # the tied tensor under HF's name
+        assert "model.embed_tokens.weight" in weights.keys() and "lm_head.weight" not in weights.keys()
+    assert marker["layout"] == CACHE_LAYOUT
     assert getattr(config, "quantization_config", None) is None
     assert AutoTokenizer.from_pretrained(smollm2_dir).chat_template is not None
 
