@@ -79,16 +79,18 @@ def add_feature_noise(features: Tensor, attention_mask: Tensor, scale: float, ge
 
 
 def pass_losses(draft: GriffinDraft, prediction: Tensor, regression: Tensor, batch: ShiftedBatch,
-                teacher: Tensor, mask: Tensor, topk_loss_k: int) -> dict[str, Tensor]:
-    """Feature (SmoothL1, beta 1), soft token cross-entropy and top-k losses under ``mask`` (B, T).
-    teacher: (B, T, V) target probabilities p*_t over the draft vocabulary."""
+                teacher: Tensor, mask: Tensor, topk_loss_k: int, feature_loss: bool = True) -> dict[str, Tensor]:
+    """Feature (SmoothL1, beta 1; only with ``feature_loss``: without it R is not a regression of
+    the target feature and the term means nothing), soft token cross-entropy and top-k losses under
+    ``mask`` (B, T). teacher: (B, T, V) target probabilities p*_t over the draft vocabulary."""
     norm = mask.sum() + 1e-5
-    value = F.smooth_l1_loss(regression.float(), batch.target_features.float(), reduction="none").mean(-1)  # (B, T)
     log_q = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (B, T, V)
     token = -(teacher * log_q).sum(-1)  # (B, T)
     top_p, top_idx = teacher.topk(topk_loss_k, dim=-1)  # (B, T, k)
-    topk = -(top_p * log_q.gather(-1, top_idx)).sum(-1)  # (B, T)
-    return {name: (x * mask).sum() / norm for name, x in (("value", value), ("token", token), ("topk", topk))}
+    terms = {"token": token, "topk": -(top_p * log_q.gather(-1, top_idx)).sum(-1)}  # (B, T) each
+    if feature_loss:
+        terms["value"] = F.smooth_l1_loss(regression.float(), batch.target_features.float(), reduction="none").mean(-1)
+    return {name: (x * mask).sum() / norm for name, x in terms.items()}
 
 
 def alignment_hits(draft: GriffinDraft, prediction: Tensor, tokens: Tensor, k: int) -> Tensor:
@@ -141,7 +143,7 @@ def token_alignable_step(
     metrics: dict[str, float] = {}
     for j in range(1, n_passes + 1):
         P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
-        parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k)
+        parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss)
         # without the feature loss (EAGLE-3, GRIFFIN-3) the token loss, forward KL to the target, stands alone
         loss = cfg.value_weight * parts["value"] + cfg.token_weight * parts["token"] if plan.feature_loss else parts["token"]
         if plan.topk_loss:
@@ -159,6 +161,6 @@ def token_alignable_step(
             if plan.alignment_mask:
                 cumulative = next_alignment(alignment_hits(draft, P, batch.tokens, cfg.align_top_k), cumulative)
                 mask = batch.loss_mask * alignment_mask(cumulative, cfg.mask_shift)
-    for name in ("loss", "value", "token", "topk"):
+    for name in ("loss", *parts):
         metrics[name] = sum(metrics[f"{name}_{j}"] for j in range(1, n_passes + 1)) / n_passes
     return metrics

@@ -154,6 +154,7 @@ def test_training_time_test_learns_without_a_feature_loss(target, variant, stage
     assert metrics["token_1"] - entropy < 0.5 * (first["token_1"] - entropy)
     topk = cfg.topk_weight * first["topk_1"] if plan.topk_loss else 0.0  # GRIFFIN-3 keeps HASS's top-k loss
     assert first["loss_1"] == pytest.approx(first["token_1"] + topk)  # no regression term
+    assert "value" not in metrics and "value_1" not in metrics  # nor a curve of it
     assert draft.feature_fc.weight.grad is not None and draft.lm_head.weight.grad is not None
 
 
