@@ -6,6 +6,10 @@
 #
 #   benchmarks/headline.sh [smollm2-full] [all|train|eval]   # config name under jobs/configs/, phase
 #   TUNE_ARGS="--prompts 2 --max-new-tokens 48" benchmarks/headline.sh qwen0.5b-full   # a cheaper tune-tree
+#   VARIANTS="eagle hass eagle3 griffin3" benchmarks/headline.sh smollm2-long   # + EAGLE-3 and GRIFFIN-3 rows
+#
+# EAGLE-3 and GRIFFIN-3 read target layers 2, L/2 and L-3, so they train on a second store of the same
+# conversations with those layers (outputs/<name>-layers-features) and the same schedule as GRIFFIN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${1:-smollm2-full}
@@ -19,19 +23,31 @@ HASS=(run_name=$NAME-hass draft.variant=hass registry.model_name=$TARGET-hass)
 # EAGLE-2's draft is stage-1 training only: the same total number of optimizer steps in one stage
 EAGLE=(run_name=$NAME-eagle draft.variant=eagle registry.model_name=$TARGET-eagle
        "train.schedule=[{stage: 1, steps: $STEPS, lr: 0.0005}]")
+LAYERS=(features.store=outputs/$NAME-layers-features)  # features.layers=auto: the variant's layers
+EAGLE3=(run_name=$NAME-eagle3 draft.variant=eagle3 registry.model_name=$TARGET-eagle3 "${LAYERS[@]}")
+GRIFFIN3=(run_name=$NAME-griffin3 draft.variant=griffin3 registry.model_name=$TARGET-griffin3 "${LAYERS[@]}")
+read -r -a OTHERS <<< "${VARIANTS:-eagle hass}"  # compared with GRIFFIN, in this order
 
 if [ "$PHASE" != eval ]; then
   $G featurize -c "$CFG"
   variant() { $G train -c "$CFG" "$@"; $G register -c "$CFG" "$@"; }
   variant "${GRIFFIN[@]}"
-  variant "${EAGLE[@]}"
-  variant "${HASS[@]}"
+  for other in "${OTHERS[@]}"; do
+    case $other in
+      eagle) variant "${EAGLE[@]}" ;;
+      hass) variant "${HASS[@]}" ;;
+      eagle3|griffin3)
+        $G featurize -c "$CFG" draft.variant=eagle3 "${LAYERS[@]}"  # once; GRIFFIN-3 reads the same layers
+        if [ "$other" = eagle3 ]; then variant "${EAGLE3[@]}"; else variant "${GRIFFIN3[@]}"; fi ;;
+      *) echo "unknown variant $other (eagle, hass, eagle3, griffin3)"; exit 2 ;;
+    esac
+  done
 fi
 [ "$PHASE" = train ] && exit 0
 TUNE=outputs/$NAME-griffin/tune_tree/tune_tree.json
 [ -f "$TUNE" ] || $G tune-tree -c "$CFG" ${TUNE_ARGS:-} --draft "models:/$TARGET-griffin@candidate"
 read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(open('$TUNE'))['overrides']))")
-$G eval -c "$CFG" "${TREE[@]}" --draft "models:/$TARGET-griffin@candidate" \
-  "eval.extra_drafts={hass: 'models:/$TARGET-hass@candidate', eagle: 'models:/$TARGET-eagle@candidate'}"
+EXTRA=$(for other in "${OTHERS[@]}"; do printf "%s: 'models:/%s-%s@candidate', " "$other" "$TARGET" "$other"; done)
+$G eval -c "$CFG" "${TREE[@]}" --draft "models:/$TARGET-griffin@candidate" "eval.extra_drafts={${EXTRA%, }}"
 $G register -c "$CFG" --promote
 .venv/bin/python benchmarks/headline.py "$NAME"
