@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -86,6 +87,10 @@ def test_the_audit_hook_logs_opens_beside_the_checkout(tmp_path):
 
     assert outside_checkout(str(REPO.parent / "a-sibling" / "data" / "x.jsonl"), str(REPO))
     assert not outside_checkout(str(REPO / "pipeline" / "data" / "mt_bench.jsonl"), str(REPO))
+    # a checkout cloned into the temp folder: its siblings count, the tests' scratch there does not
+    clone = os.path.join(os.path.realpath(tempfile.gettempdir()), "clone")
+    assert outside_checkout(os.path.join(os.path.dirname(clone), "shared", "DESIGN.md"), clone)
+    assert not outside_checkout(os.path.join(os.path.dirname(clone), "pytest-of-u", "t0", "x"), clone)
     log = tmp_path / "log"
     env = {**os.environ, "GRIFFIN_AUDIT_LOG": str(log)}
     code = f"open({str(REPO.parent / 'no-such-sibling' / 'f')!r})"

@@ -5,23 +5,33 @@ must carry or install everything it reads, and users have nothing beside their c
 
 import os
 import sys
+import tempfile
 
 _LOG = os.environ.get("GRIFFIN_AUDIT_LOG")
 _REPO = os.environ.get("GRIFFIN_AUDIT_REPO")
+_TMP = os.path.realpath(tempfile.gettempdir())
+# What the tests and the libraries they run create in the temp folder: scratch, never a user's files.
+# It matters when the checkout itself sits in the temp folder (git clone into /tmp/x).
+SCRATCH = ("pytest-of-", "tmp", "ray", "griffin-", "torchinductor_", "mlflow", "hf_", "mmap", "pymp-", ".")
 
 
 def outside_checkout(path: str, repo: str) -> bool:
-    """True for a path in the checkout's parent folder that is not inside the checkout."""
+    """True for a path in the checkout's parent folder that is not inside the checkout (nor scratch
+    in the temp folder, when the checkout lives there)."""
     parent = os.path.dirname(repo)
     path = os.path.abspath(path)
-    return path.startswith(parent + os.sep) and not (path == repo or path.startswith(repo + os.sep))
+    if not path.startswith(parent + os.sep) or path == repo or path.startswith(repo + os.sep):
+        return False
+    if parent == _TMP and path[len(parent) + 1:].startswith(SCRATCH):
+        return False
+    return True
 
 
 def _hook(event: str, args: tuple) -> None:
     if event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path = os.fsdecode(args[0])
-    if outside_checkout(path, _REPO):
+    if path != _LOG and outside_checkout(path, _REPO):
         with open(_LOG, "a") as log:  # the hook's own open is of the log, inside a temp folder
             log.write(f"{os.getpid()} {sys.argv[:2]} {path}\n")
 
