@@ -130,3 +130,41 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
     assert "jobs.train -c jobs/configs/tiny.yaml --stage 2" in second.stdout
     assert "stage 1 already complete" in second.stdout
     assert (tmp_path / "cluster" / "train" / "stage2" / "_complete.json").exists()
+
+
+# Run beside the `ray start` cluster: a local `griffin` Ray must answer State API queries about its own
+# actors. Ray Train's placement-group cleaner asks whether the controller lives; before the local Ray
+# had its own API server the query went to this other cluster, which said "no such actor", and the
+# cleaner removed the training's placement group mid-run.
+LOCAL_STATE_API = """
+import ray
+from pipeline.config import load_config
+from pipeline.runtime import ensure_ray
+from ray.train.v2._internal.state.util import is_actor_alive
+
+ensure_ray(load_config("jobs/configs/tiny.yaml", ["output_dir={out}"]))
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def ping(self):
+        return True
+
+
+@ray.remote(num_cpus=0)
+def alive(actor_id):
+    return is_actor_alive(actor_id, timeout=10)
+
+
+probe = Probe.remote()
+ray.get(probe.ping.remote())
+print("ALIVE", ray.get(alive.remote(probe._actor_id.hex())))
+"""
+
+
+def test_a_local_run_beside_the_cluster_queries_its_own_state_api(two_node_cluster, tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", LOCAL_STATE_API.format(out=tmp_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ALIVE True" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
