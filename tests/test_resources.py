@@ -91,6 +91,7 @@ def test_the_audit_hook_logs_opens_beside_the_checkout(tmp_path):
     clone = os.path.join(os.path.realpath(tempfile.gettempdir()), "clone")
     assert outside_checkout(os.path.join(os.path.dirname(clone), "shared", "DESIGN.md"), clone)
     assert not outside_checkout(os.path.join(os.path.dirname(clone), "pytest-of-u", "t0", "x"), clone)
+    assert not outside_checkout(os.path.join(os.path.dirname(clone), "HEAD"), clone)  # git's repository search
     log = tmp_path / "log"
     env = {**os.environ, "GRIFFIN_AUDIT_LOG": str(log)}
     code = f"open({str(REPO.parent / 'no-such-sibling' / 'f')!r})"

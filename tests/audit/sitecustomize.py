@@ -12,7 +12,8 @@ _REPO = os.environ.get("GRIFFIN_AUDIT_REPO")
 _TMP = os.path.realpath(tempfile.gettempdir())
 # What the tests and the libraries they run create in the temp folder: scratch, never a user's files.
 # It matters when the checkout itself sits in the temp folder (git clone into /tmp/x).
-SCRATCH = ("pytest-of-", "tmp", "ray", "griffin-", "torchinductor_", "mlflow", "hf_", "mmap", "pymp-", ".")
+SCRATCH = ("pytest-of-", "tmp", "ray", "griffin-", "torchinductor_", "mlflow", "hf_", "mmap", "pymp-", "pip-", ".")
+GIT_PROBES = ("HEAD", "commondir")  # a git repository search walking up from a Ray job's working_dir copy
 
 
 def outside_checkout(path: str, repo: str) -> bool:
@@ -22,7 +23,8 @@ def outside_checkout(path: str, repo: str) -> bool:
     path = os.path.abspath(path)
     if not path.startswith(parent + os.sep) or path == repo or path.startswith(repo + os.sep):
         return False
-    if parent == _TMP and path[len(parent) + 1:].startswith(SCRATCH):
+    below = path[len(parent) + 1:]
+    if parent == _TMP and (below.startswith(SCRATCH) or below in GIT_PROBES):
         return False
     return True
 
