@@ -62,6 +62,7 @@ def save_draft(draft: GriffinDraft, path: str | Path, provenance: dict[str, Any]
     fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{WEIGHTS_NAME}.")
     os.close(fd)
     save_file(state, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # mkstemp makes it 0600
     os.replace(tmp, path / WEIGHTS_NAME)
     _atomic_write_json(path / CONFIG_NAME, draft_config_json(draft.cfg, provenance))
     return path
@@ -289,7 +290,8 @@ def to_eagle3(state: dict[str, torch.Tensor], cfg: DraftConfig, embed_weight: to
               layout: str) -> dict[str, torch.Tensor]:
     """Our ``eagle3`` state dict -> speculators' or SpecForge's, with the target embedding as
     ``embed_tokens.weight`` and a reduced vocabulary as offset ``d2t`` + ``t2d`` mask."""
-    if cfg.variant != "eagle3":
+    eagle3 = cfg.decoder_input == "concat" and cfg.trainable_head and cfg.feature_layers and not cfg.token_enhanced_head
+    if not eagle3:  # by structure, not name: an eagle3 variant with overridden parts is not EAGLE-3 either
         raise ValueError(
             f"--to {layout} writes EAGLE-3 drafts, and this one is {cfg.variant!r}: no EAGLE-3 loader runs its "
             "architecture. Export it with --to hf (or --to griffin-upstream for a full-vocabulary GRIFFIN draft)"
