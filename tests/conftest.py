@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from griffin.target import TargetAdapter
+from pipeline.runtime import free_port  # noqa: F401  (the tests' servers and Ray nodes take ports from it)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -93,13 +93,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
-
-
-def free_port() -> int:
-    """A port nothing on 127.0.0.1 listens on right now (servers and Ray nodes the tests start)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_target(arch: str = "llama", seed: int = 0, **overrides) -> TargetAdapter:
