@@ -19,17 +19,18 @@ LABELS = {"griffin": "GRIFFIN", "hass": "HASS", "eagle": "EAGLE-2", "eagle3": "E
 METRIC = "eval/sim_accept_len"
 
 
-def history(name: str, variant: str) -> list[tuple[int, float]]:
-    """(global step, held-out metric) over every stage of ``outputs/<name>-<variant>``, in order."""
+def history(run: str, config: str) -> list[tuple[int, float]]:
+    """(global step, held-out metric) over every stage of the training run ``outputs/<run>``, in order;
+    ``config`` names the jobs/configs file whose MLflow tracking holds it."""
     sys.path.insert(0, str(ROOT))
     from mlflow import MlflowClient
 
     from pipeline.config import load_config
     from pipeline.runtime import setup_mlflow
 
-    setup_mlflow(load_config(ROOT / "jobs" / "configs" / f"{name}.yaml"))
+    setup_mlflow(load_config(ROOT / "jobs" / "configs" / f"{config}.yaml"))
     client, points, offset = MlflowClient(), [], 0
-    for stage_dir in sorted((ROOT / "outputs" / f"{name}-{variant}" / "train").glob("stage*")):
+    for stage_dir in sorted((ROOT / "outputs" / run / "train").glob("stage*")):
         run_id = (stage_dir / "mlflow_run_id").read_text().strip()
         metrics = sorted(client.get_metric_history(run_id, METRIC), key=lambda m: m.step)
         points += [(offset + m.step, m.value) for m in metrics]
@@ -40,7 +41,7 @@ def history(name: str, variant: str) -> list[tuple[int, float]]:
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "smollm2-long"
-    curves = {v: history(name, v) for v in LABELS if (ROOT / "outputs" / f"{name}-{v}" / "train").is_dir()}
+    curves = {v: history(f"{name}-{v}", name) for v in LABELS if (ROOT / "outputs" / f"{name}-{v}" / "train").is_dir()}
     griffin = dict(curves.get("griffin", []))
     rows = []
     for variant, points in curves.items():

@@ -2,8 +2,9 @@
 
 ``run_eval(cfg, draft=None) -> summary`` writes ``<run_dir>/eval/`` (report.json, report.md,
 generations.jsonl, tau.png, speedup.png, acceptance_histogram.png) and logs it to MLflow, tagged with
-the draft's registered model version. Protocol and metric definitions: ``pipeline.report.DEFINITIONS``
-(docs/design.md §8, docs/method.md §6): every question turn goes through every method back to back
+the draft's registered model version. While it runs, ``eval/unfinished.jsonl`` holds the finished
+questions, so a killed evaluation resumes (``EvalLedger``). Protocol and metric definitions:
+``pipeline.report.DEFINITIONS`` (docs/design.md §8, docs/method.md §6): every question turn goes through every method back to back
 (GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF ``generate``, HF prompt lookup, HF
 assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
 go through the HTTP endpoint (client-side wall time); the rest stay in-process.
@@ -11,9 +12,13 @@ go through the HTTP endpoint (client-side wall time); the rest stay in-process.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,7 +27,8 @@ from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress
-from pipeline.resources import draft_for_run, load_draft, load_questions, load_target
+from griffin.weights import tensors_sha256
+from pipeline.resources import draft_for_run, load_draft, load_questions, load_target, target_fingerprint
 from pipeline.openai_api import completion_text, render_chat
 from pipeline.report import log_report, summarize, write_reports
 
@@ -104,9 +110,11 @@ def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
     return run
 
 
-def build_methods(cfg: RunConfig, target: Any, draft: Any, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
-    """Methods in report order, and whether this call started Serve (through_serve with none running)."""
-    evaluation, started = cfg.eval, False
+def build_methods(cfg: RunConfig, target: Any, draft: Any,
+                  draft_uri: str | None) -> tuple[dict[str, Method], dict[str, Any], bool]:
+    """Methods in report order, the draft model of each speculative method, and whether this call
+    started Serve (through_serve with none running)."""
+    evaluation, started, drafts = cfg.eval, False, {"griffin": draft}
     if evaluation.through_serve:
         methods, started = _endpoint_methods(cfg, draft_uri)
     else:
@@ -114,7 +122,8 @@ def build_methods(cfg: RunConfig, target: Any, draft: Any, draft_uri: str | None
     for label, uri in evaluation.extra_drafts.items():
         if label in methods or label.startswith("hf_"):
             raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
-        methods[label] = local_decoder(target, load_draft(uri, target, cfg), cfg.eval_tree)
+        drafts[label] = load_draft(uri, target, cfg)
+        methods[label] = local_decoder(target, drafts[label], cfg.eval_tree)
     stock = _stock(cfg, target) if any(b.startswith("hf_") for b in evaluation.baselines) else target
     if "hf_generate" in evaluation.baselines:
         methods["hf_generate"] = hf_decoder(stock)
@@ -122,7 +131,7 @@ def build_methods(cfg: RunConfig, target: Any, draft: Any, draft_uri: str | None
         methods["hf_prompt_lookup"] = hf_decoder(stock, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
     if "hf_assisted" in evaluation.baselines:
         methods["hf_assisted"] = hf_decoder(stock, assistant_model=_assistant(cfg, target).model)
-    return methods, started
+    return methods, drafts, started
 
 
 def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
@@ -167,11 +176,20 @@ def _assistant(cfg: RunConfig, target: Any) -> Any:
 
 
 def evaluate_dataset(name: str, questions: list[dict], temperature: float, methods: dict[str, Method],
-                     cfg: RunConfig, target: Any, progress: Progress | None = None) -> list[dict[str, Any]]:
+                     cfg: RunConfig, target: Any, progress: Progress | None = None,
+                     ledger: "EvalLedger | None" = None) -> list[dict[str, Any]]:
     """Every turn of every question through every method, interleaved; one record per generation.
-    ``progress`` counts question turns."""
+    ``progress`` counts question turns; a question already in ``ledger`` is taken from it, and each
+    finished question is added to it."""
     records, names, sampling = [], list(methods), cfg.sampling(temperature)
     for index, question in enumerate(questions):
+        done = ledger.get(name, temperature, index) if ledger is not None else None
+        if done is not None:
+            records += done
+            if progress is not None:
+                progress.update(progress.done + len(question["turns"]), f"{name} T={temperature:g} (resumed)")
+            continue
+        first = len(records)
         order = names[index % len(names):] + names[: index % len(names)]
         messages: list[dict[str, str]] = []
         for turn, user_text in enumerate(question["turns"]):
@@ -200,7 +218,69 @@ def evaluate_dataset(name: str, questions: list[dict], temperature: float, metho
             messages.append({"role": "assistant", "content": outputs["griffin"].text})
             if progress is not None:
                 progress.update(progress.done + 1, f"{name} T={temperature:g}")
+        if ledger is not None:
+            ledger.add(name, temperature, index, records[first:])
     return records
+
+
+class EvalLedger:
+    """The finished questions of one evaluation, appended and fsync'd as each finishes, so that a
+    killed ``griffin eval`` reruns only the questions it had not finished. Each question's methods
+    still run back to back in one process, so its per-question ratios stay interleaved. A ledger
+    is reused only by a rerun with the same ``key`` (config, target and draft weights); the reports
+    replace it when the evaluation completes."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+        self.done: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
+        lines = path.read_text().splitlines() if path.is_file() else []
+        header = _json_or_none(lines[0]) if lines else None
+        if header is not None and header.get("key") == key:
+            for line in lines[1:]:
+                item = _json_or_none(line)
+                if item is None:  # the line a kill cut short, and nothing after it
+                    break
+                self.done[(item["dataset"], float(item["temperature"]), item["index"])] = item["records"]
+        elif lines:
+            logger.warning("%s: an unfinished evaluation with other settings, target or drafts; starting over", path)
+        # rewritten without a cut-short tail before anything is appended
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(entry) + "\n" for entry in [{"key": key}] + [
+            {"dataset": d, "temperature": t, "index": i, "records": r} for (d, t, i), r in self.done.items()]))
+        os.replace(tmp, path)
+
+    @property
+    def resumed(self) -> int:
+        return len(self.done)
+
+    def get(self, dataset: str, temperature: float, index: int) -> list[dict[str, Any]] | None:
+        return self.done.get((dataset, float(temperature), index))
+
+    def add(self, dataset: str, temperature: float, index: int, records: list[dict[str, Any]]) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps({"dataset": dataset, "temperature": temperature, "index": index,
+                                  "records": records}) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _json_or_none(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def eval_key(cfg: RunConfig, target: Any, drafts: dict[str, Any]) -> str:
+    """What decides an evaluation's results: the whole config, the target's weights and every draft's
+    weights (an alias such as @candidate may point at new weights between two runs)."""
+    identity = {"config": cfg.model_dump(mode="json"), "target": target_fingerprint(target)["target_weights_sha256"],
+                "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()}}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 NEAR_TIE_LOGITS = 0.25  # two bf16 rounding steps of a logit of magnitude 16-32
@@ -245,20 +325,25 @@ def run_eval(cfg: RunConfig, draft: Any = None) -> dict[str, Any]:
     target = load_target(cfg.target, decoding=True)
     questions = {name: load_questions(name, cfg.eval.num_questions) for name in cfg.eval.datasets}
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
-    methods, started = build_methods(cfg, target, draft_model, draft_uri)
+    methods, drafts, started = build_methods(cfg, target, draft_model, draft_uri)
+    ledger = EvalLedger(cfg.run_dir / "eval" / "unfinished.jsonl", eval_key(cfg, target, drafts))
     turns = sum(len(q["turns"]) for items in questions.values() for q in items) * len(cfg.eval.temperatures)
     progress = Progress("evaluate", turns, f"question turns x {len(methods)} methods")
+    if ledger.resumed:
+        logger.warning("resuming an unfinished evaluation: %d questions done in an earlier run", ledger.resumed)
     try:
         _warm_up(methods, target, cfg)
         records = [record for name, items in questions.items() for temperature in cfg.eval.temperatures
-                   for record in evaluate_dataset(name, items, temperature, methods, cfg, target, progress)]
+                   for record in evaluate_dataset(name, items, temperature, methods, cfg, target, progress, ledger)]
     finally:
         if started:
             from pipeline.serve import stop_serve
 
             stop_serve()
     report = summarize(records, list(methods), cfg, target, draft_uri)
+    report["summary"]["resumed_questions"] = ledger.resumed
     eval_dir = write_reports(cfg.run_dir / "eval", report, records)
+    ledger.remove()
     report["summary"]["mlflow_run_id"] = log_report(cfg, report, eval_dir, draft_uri)
     progress.close(f"report {eval_dir / 'report.md'}")
     return report["summary"]

@@ -163,12 +163,16 @@ class OracleDraft(torch.nn.Module):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the session (127.0.0.1), shut down at the end. Logical CPUs exceed the
-    2 physical cores so that 2 train workers and Ray Data tasks can be placed at once."""
+    """One local Ray for the session, started as the product starts one (127.0.0.1, its own State API
+    server), shut down at the end. tiny.yaml's 6 logical CPUs exceed the 2 physical cores so that
+    2 train workers and Ray Data tasks can be placed at once."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=True)
+    from pipeline.config import load_config
+    from pipeline.runtime import ensure_ray
+
+    os.environ.pop("RAY_ADDRESS", None)  # never a cluster of the user's: the tests start their own
+    ensure_ray(load_config(REPO / "jobs" / "configs" / "tiny.yaml"))
     yield
     try:
         from ray import serve

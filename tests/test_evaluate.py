@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from griffin.model import GriffinDraft
@@ -76,3 +77,52 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     weights = load_file(tmp_path / "ship" / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values() if t.is_floating_point())
     load_draft(tmp_path / "ship", target, cfg)
+
+
+def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, monkeypatch):
+    """Killed in question 2, a rerun takes question 1 from the ledger, decodes 2 and 3, and reports all
+    three; the ledger goes with the reports. A ledger from other settings is not reused."""
+    from pipeline import evaluate
+
+    questions = tmp_path / "three.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", f"eval.datasets=[{questions}]", "eval.temperatures=[0]",
+                             "eval.num_questions=3", "eval.max_new_tokens=8", "eval.baselines=[vanilla]",
+                             "eval.through_serve=false"])
+    target = load_target(cfg.target)
+    torch.manual_seed(0)
+    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
+    real, calls = evaluate.speculative_generate, []
+
+    def killed_in_question_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the warm-up, question 1's two turns, then question 2
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "speculative_generate", killed_in_question_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(cfg, draft=str(draft_dir))
+    ledger = tmp_path / "tiny" / "eval" / "unfinished.jsonl"
+    lines = ledger.read_text().splitlines()
+    assert len(lines) == 2  # the key, then question 1
+    finished = json.loads(lines[1])["records"]
+    assert [(r["question_id"], r["turn"]) for r in finished if r["method"] == "griffin"] == [(1, 1), (1, 2)]
+    with open(ledger, "a") as out:  # a line the kill cut short
+        out.write('{"dataset": "three", "temp')
+
+    calls.clear()
+    monkeypatch.setattr(evaluate, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    summary = run_eval(cfg, draft=str(draft_dir))
+    assert len(calls) == 3  # the warm-up and questions 2 and 3 only
+    assert summary["resumed_questions"] == 1 and not ledger.exists()
+    generations = (tmp_path / "tiny" / "eval" / "generations.jsonl").read_text().splitlines()
+    generations = [json.loads(line) for line in generations]
+    assert len(generations) == 4 * 2  # (2 + 1 + 1 turns) x (griffin, vanilla)
+    assert [g["text"] for g in generations[:4]] == [r["text"] for r in finished]
+    assert summary["results"]["three/T0"]["mismatches"] == 0
+
+    other = evaluate.EvalLedger(ledger, "another key")
+    other.add("three", 0, 0, finished)
+    assert evaluate.EvalLedger(ledger, "a third key").resumed == 0
+    assert evaluate.EvalLedger(ledger, "a third key").get("three", 0, 0) is None
