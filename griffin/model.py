@@ -249,6 +249,36 @@ class GriffinDraft(nn.Module):
                 draft.norm.weight.copy_(final_norm.weight)
         return draft.to(target.device)
 
+    @torch.no_grad()
+    def start_from_target_layer(self, layer: nn.Module) -> None:
+        """Copy a target decoder layer (LLaMA / Qwen2 names) into the draft's: attention, post-attention
+        norm and MLP. Grouped K/V heads are repeated to the draft's heads, which computes the same
+        attention. With TEH the down projection fills both halves, so P and R start equal. Not carried:
+        the target's input norm (the draft layer has none, EAGLE's convention) and Q/K/V biases
+        (Qwen2's; the draft's projections have none)."""
+        if self.cfg.decoder_input == "concat":
+            raise ValueError("draft.init_layer: EAGLE-3's attention reads [e; h] (2H wide); a target layer's "
+                             "reads H, so it cannot start from one. Drop draft.init_layer for this variant")
+        ours, theirs, Dh = self.layer, layer, self.cfg.head_dim
+        group = self.cfg.num_attention_heads // (theirs.self_attn.k_proj.weight.shape[0] // Dh)  # Hq / Hk
+        pairs = [(ours.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight),
+                 (ours.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight),
+                 (ours.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight),
+                 (ours.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight),
+                 (ours.mlp.up_proj.weight, theirs.mlp.up_proj.weight)]
+        for name in ("k_proj", "v_proj"):  # (Hk*Dh, D) -> (Hq*Dh, D): each KV head once per query head
+            weight = getattr(theirs.self_attn, name).weight
+            heads = weight.view(-1, Dh, weight.shape[-1])  # (Hk, Dh, D); query head h reads KV head h // group
+            repeated = heads.repeat_interleave(group, dim=0).reshape(-1, weight.shape[-1])  # (Hq*Dh, D)
+            pairs.append((getattr(ours.self_attn, name).weight, repeated))
+        down = theirs.mlp.down_proj.weight  # (D, I)
+        pairs.append((ours.mlp.down_proj.weight, torch.cat([down, down]) if ours.two_heads else down))
+        for mine, source in pairs:
+            if mine.shape != source.shape:
+                raise ValueError(f"draft.init_layer: the target layer's {tuple(source.shape)} does not fit the "
+                                 f"draft's {tuple(mine.shape)} (draft.overrides change its shape?)")
+            mine.copy_(source.to(mine.dtype))
+
     def cast_parameters(self, dtype: torch.dtype) -> "GriffinDraft":
         """Cast the trainable weights only. ``module.to(dtype)`` would also cast the frozen target
         embedding/head (a full copy for fp32 training) and the fp32 RoPE frequencies (bf16 RoPE

@@ -93,6 +93,9 @@ class DraftSection(Section):
     variant: Variant = "griffin"
     draft_vocab_size: int | None = Field(default=None, ge=1)
     overrides: dict[str, Any] = Field(default_factory=dict, description="DraftConfig field overrides")
+    init_layer: int | None = Field(default=None, description="start the draft's decoder layer from this target "
+                                   "decoder layer (negative counts from the end: -1 is the last) instead of a "
+                                   "random init; not with train.init_from, not for eagle3")
 
 
 class StageSection(Section):

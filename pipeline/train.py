@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from griffin.config import StagePlan
+from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
 from griffin.target import fast_bf16
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
@@ -58,6 +58,8 @@ def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | N
     torch.manual_seed(cfg.train.seed)  # identical init on every rank
     d2t_tensor = torch.tensor(d2t) if d2t else None
     draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, d2t=d2t_tensor, **cfg.draft.overrides)
+    if cfg.draft.init_layer is not None:
+        draft.start_from_target_layer(target.backbone.layers[cfg.draft.init_layer])
     return draft.cast_parameters(torch.float32)  # fp32 master weights; frozen target tensors stay
 
 
@@ -293,7 +295,20 @@ def _log_curves(mlflow, run_id: str, out: Path) -> None:
 def _checked_init(cfg: RunConfig, target) -> str | None:
     """``train.init_from``: the draft the first stage starts from (e.g. another run's stage-1 best, so
     that ablations of the later stages share one stage 1, or a shipped draft to fine-tune): any form
-    ``pipeline.resources`` resolves, trained for this target and of this run's variant."""
+    ``pipeline.resources`` resolves, trained for this target and of this run's variant. Also checks
+    ``draft.init_layer`` (the other way to start), here on the driver, so that a bad one fails before
+    Ray Train starts."""
+    layers = len(target.backbone.layers)
+    if cfg.draft.init_layer is not None:
+        if cfg.train.init_from is not None:
+            raise ValueError("draft.init_layer and train.init_from both say where the draft starts; keep one")
+        if not -layers <= cfg.draft.init_layer < layers:
+            raise ValueError(f"draft.init_layer={cfg.draft.init_layer}: the target has {layers} decoder layers "
+                             f"(0..{layers - 1}, or -1..-{layers} from the end)")
+        draft_cfg = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides)
+        with torch.device("meta"):  # shapes only: the variant and shapes fit, or a clear error
+            draft = GriffinDraft(draft_cfg, target.embed_weight, target.head_weight)
+        draft.start_from_target_layer(target.backbone.layers[cfg.draft.init_layer])
     if cfg.train.init_from is None:
         return None
     draft_dir = resolve_draft(cfg.train.init_from, cfg)

@@ -97,3 +97,46 @@ def test_reduced_vocabulary_maps_ids(target):
     assert draft.to_target_ids(torch.tensor([3, 0])).tolist() == [100, 5]
     assert draft.to_draft_ids(torch.tensor([100, 6, 2])).tolist() == [3, -1, 2]
     assert draft.logits(torch.randn(2, 64)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_draft_started_from_a_target_layer_computes_that_layer(arch):
+    """draft.init_layer: the draft's attention equals the target layer's on the same input (its grouped
+    K/V heads repeated to the draft's heads), and with TEH both halves of the MLP are the target's."""
+    target = make_target(arch)
+    layer = target.backbone.layers[-1]
+    assert layer.self_attn.k_proj.weight.shape[0] < layer.self_attn.q_proj.weight.shape[0]  # grouped K/V
+    if arch == "qwen2":  # the draft's projections have no biases: compare the bias-free computation
+        with torch.no_grad():
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+    draft = GriffinDraft.for_target(target)
+    draft.start_from_target_layer(layer)
+    x, positions = torch.randn(1, 7, 64), torch.arange(7)
+    rope = draft.rope(positions, torch.float32)
+    with torch.no_grad():
+        ours = draft.layer.self_attn(x, x, rope, rope, causal(0, 7))
+        theirs = layer.self_attn(hidden_states=x, position_embeddings=target.backbone.rotary_emb(x, positions[None]),
+                                 attention_mask=None)[0]  # no mask: HF's SDPA path is causal
+        normed = draft.layer.post_attention_layernorm(x)
+        prediction, regression = draft.layer.mlp(normed).split(64, dim=-1)
+        expected = layer.mlp(layer.post_attention_layernorm(x))
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert torch.allclose(prediction, expected, atol=1e-5) and torch.allclose(regression, expected, atol=1e-5)
+
+
+def test_draft_init_layer_is_checked_before_training_starts(tiny_llama):
+    from pipeline.config import load_config
+    from pipeline.train import _checked_init, _init_draft
+    from tests.conftest import REPO
+
+    tiny = REPO / "jobs" / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, ["draft.init_layer=-2"])
+    assert _checked_init(cfg, tiny_llama) is None
+    draft = _init_draft(cfg, tiny_llama, None, None)  # what each training worker builds
+    assert torch.equal(draft.layer.mlp.up_proj.weight, tiny_llama.backbone.layers[0].mlp.up_proj.weight.float())
+    for overrides, message in [(["draft.init_layer=2"], "the target has 2 decoder layers"),
+                               (["draft.init_layer=0", "draft.variant=eagle3"], "EAGLE-3's attention reads"),
+                               (["draft.init_layer=0", "train.init_from=x"], "keep one")]:
+        with pytest.raises(ValueError, match=message):
+            _checked_init(load_config(tiny, overrides), tiny_llama)
