@@ -53,7 +53,8 @@ def collect(name: str) -> dict:
         methods, vanilla = result["methods"], result["methods"]["vanilla"]["tokens_per_s_median"]
         rows[key] = {m: {"tau": e.get("tau"), "tokens_per_s": e["tokens_per_s_median"],
                          "speedup_vs_vanilla": e["tokens_per_s_median"] / vanilla,
-                         "generations": e["generations"]} for m, e in methods.items()}
+                         "generations": e["generations"], "draft_ms_per_round": e.get("draft_ms_per_round"),
+                         "verify_ms_per_round": e.get("verify_ms_per_round")} for m, e in methods.items()}
         rows[key]["griffin"]["speedup_vs_hf_generate"] = result["speedup"].get("hf_generate")
         rows[key]["violations"] = sum(1 for m in result["mismatches"] if not m["near_tie"])
         rows[key]["near_ties"] = sum(1 for m in result["mismatches"] if m["near_tie"])
@@ -127,7 +128,15 @@ def markdown(data: dict) -> str:
             mean_tau = f"{_mean(taus):.2f}" if taus else "-"
             lines.append(f"| {label} | {' | '.join(cells)} | {_mean(speedups):.2f}x | {mean_tau} |")
         vanilla = " / ".join(f"{data['results'][f'{d}/{temperature}']['vanilla']['tokens_per_s']:.1f}" for d in datasets)
-        lines += ["", f"Vanilla tokens/s ({' / '.join(DATASETS[d] for d in datasets)}): {vanilla}.", ""]
+        lines += ["", f"Vanilla tokens/s ({' / '.join(DATASETS[d] for d in datasets)}): {vanilla}."]
+        costs = [f"{label} " + " / ".join(f"{row['draft_ms_per_round']:.1f} + {row['verify_ms_per_round']:.1f}"
+                                          for d in datasets if (row := data["results"][f"{d}/{temperature}"].get(m))
+                                          and row.get("draft_ms_per_round") is not None)
+                 for m, label in DRAFTS.items() if m in evaluated]
+        if any(c.count("+") for c in costs):
+            lines += ["", f"Draft + verify ms per round ({' / '.join(DATASETS[d] for d in datasets)}): "
+                      + "; ".join(c for c in costs if "+" in c) + "."]
+        lines += [""]
     lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
     for name, goal in data["goals"].items():
         met = "not measured" if goal["measured"] != goal["measured"] else "yes" if goal["met"] else "NO"

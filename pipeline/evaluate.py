@@ -44,6 +44,8 @@ class Output:
     seconds: float  # wall time of the whole call, prefill included
     tokens: list[int] | None = None  # None through the endpoint, which returns text
     accepted_per_round: list[int] | None = None  # speculative methods only
+    draft_seconds: float | None = None  # in-process speculative methods: drafting (catch-up + tree), all rounds
+    verify_seconds: float | None = None  # ... and the target's verify passes with acceptance
 
 
 # messages, prompt ids, sampling, max_new_tokens, seed -> Output
@@ -62,8 +64,11 @@ def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None
             result = speculative_generate(target, draft, ids, tree, sampling, max_new, generator)
         seconds = time.perf_counter() - start
         text = completion_text(target.tokenizer, result.tokens, target.stop_token_ids, [])[0]
-        accepted = result.stats.accepted_per_round if draft is not None else None
-        return Output(text, len(result.tokens), seconds, result.tokens, accepted)
+        if draft is None:
+            return Output(text, len(result.tokens), seconds, result.tokens)
+        stats = result.stats
+        return Output(text, len(result.tokens), seconds, result.tokens, stats.accepted_per_round,
+                      stats.draft_time, stats.verify_time)
     return run
 
 
@@ -213,7 +218,8 @@ def evaluate_dataset(name: str, questions: list[dict], temperature: float, metho
                                 "turn": turn + 1, "method": method, "prompt_tokens": len(prompt_ids),
                                 "new_tokens": out.new_tokens, "seconds": out.seconds,
                                 "tokens_per_s": out.new_tokens / out.seconds, "text": out.text, "tokens": out.tokens,
-                                "accepted_per_round": out.accepted_per_round, "mismatch": divergence is not None,
+                                "accepted_per_round": out.accepted_per_round, "draft_seconds": out.draft_seconds,
+                                "verify_seconds": out.verify_seconds, "mismatch": divergence is not None,
                                 "divergence": divergence})
             messages.append({"role": "assistant", "content": outputs["griffin"].text})
             if progress is not None:

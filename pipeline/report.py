@@ -28,6 +28,9 @@ DEFINITIONS = {
     "mismatches": "T=0 generations where a speculative method's output differs from vanilla decoding; each "
                   "with the first divergent position and the target's top-two logit gap there",
     "violations": "mismatches that are not bf16 near-ties (gap > 0.25 logits): must be 0",
+    "draft_ms_per_round": "in-process speculative methods: wall time of drafting (catch-up on the committed "
+                          "tokens + the tree's levels) over all generations / rounds; verify_ms_per_round the "
+                          "same for the target's verify pass with acceptance and KV compaction",
     "protocol": "per dataset and temperature, each question turn is decoded by every method back to back "
                 "(order rotated per question) with the same prompt, max_new_tokens, sampling and seed; "
                 "MT-Bench turn 2 carries GRIFFIN's turn-1 answer for every method; one untimed warm-up "
@@ -46,6 +49,16 @@ def _acceptance(accepted: list[int], depth: int) -> dict[str, Any]:
     }
 
 
+def _round_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Drafting and verifying ms per round, pooled over generations; only where every generation has
+    them (none through the endpoint)."""
+    rounds = sum(len(r["accepted_per_round"]) for r in rows)
+    if not rounds or any(r.get("draft_seconds") is None for r in rows):
+        return {}
+    return {f"{part}_ms_per_round": 1000 * sum(r[f"{part}_seconds"] for r in rows) / rounds
+            for part in ("draft", "verify")}
+
+
 def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for method in methods:
@@ -54,6 +67,7 @@ def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[s
                  "tokens_per_s_median": median(r["tokens_per_s"] for r in mine)}
         if mine and mine[0]["accepted_per_round"] is not None:
             entry.update(_acceptance([a for r in mine for a in r["accepted_per_round"]], depth))
+            entry.update(_round_cost(mine))
         stats[method] = entry
     griffin = stats["griffin"]["tokens_per_s_median"]
     speedup = {m: griffin / s["tokens_per_s_median"] for m, s in stats.items() if m != "griffin"}
@@ -114,13 +128,16 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [f"- **{name}**: {text}" for name, text in report["definitions"].items()]
     for key, result in report["results"].items():
         lines += ["", f"## {key}", "", "| method | generations | median tokens/s | tau | speedup vs vanilla "
-                  "| GRIFFIN speedup over it |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                  "| GRIFFIN speedup over it | draft / verify ms per round |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for method, entry in result["methods"].items():
             tau = f"{entry['tau']:.3f}" if "tau" in entry else "-"
             own = f"{entry['speedup_vs_vanilla']:.2f}x" if "speedup_vs_vanilla" in entry else "-"
             speedup = f"{result['speedup'][method]:.2f}x" if method in result["speedup"] else "-"
+            cost = (f"{entry['draft_ms_per_round']:.1f} / {entry['verify_ms_per_round']:.1f}"
+                    if "draft_ms_per_round" in entry else "-")
             lines.append(f"| {method} | {entry['generations']} | {entry['tokens_per_s_median']:.1f} | {tau} | {own} "
-                         f"| {speedup} |")
+                         f"| {speedup} | {cost} |")
         alphas = result["methods"]["griffin"]["per_position_acceptance"]
         lines += ["", "GRIFFIN per-position acceptance: "
                   + ", ".join(f"a{k + 1}={a:.3f}" if a is not None else f"a{k + 1}=n/a" for k, a in enumerate(alphas)),

@@ -58,6 +58,9 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     report = json.loads((eval_dir / "report.json").read_text())
     assert "bonus token included" in report["definitions"]["tau"]
     assert len(report["results"]["three/T0"]["methods"]["griffin"]["per_position_acceptance"]) == cfg.eval_tree.depth
+    eagle = report["results"]["three/T0"]["methods"]["eagle"]  # in-process: its draft and verify cost per round
+    assert 0 < eagle["draft_ms_per_round"] and 0 < eagle["verify_ms_per_round"]
+    assert "draft_ms_per_round" not in report["results"]["three/T0"]["methods"]["griffin"]  # through Serve
     generations = [json.loads(line) for line in (eval_dir / "generations.jsonl").read_text().splitlines()]
     assert len(generations) == 2 * 4 * len(methods)  # T x (2 + 1 + 1 turns) x methods
     assert "| hf_prompt_lookup |" in (eval_dir / "report.md").read_text()
