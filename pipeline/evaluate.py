@@ -4,9 +4,9 @@
 generations.jsonl, tau.png, speedup.png, acceptance_histogram.png) and logs it to MLflow, tagged with
 the draft's registered model version. While it runs, ``eval/unfinished.jsonl`` holds the finished
 questions, so a killed evaluation resumes (``EvalLedger``). Protocol and metric definitions:
-``pipeline.report.DEFINITIONS`` (docs/design.md §8, docs/method.md §6): every question turn goes through every method back to back
-(GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF ``generate``, HF prompt lookup, HF
-assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
+``pipeline.report.DEFINITIONS`` (docs/design.md §8, docs/method.md §6): every question turn goes
+through every method back to back (GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF
+``generate``, HF prompt lookup, HF assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
 go through the HTTP endpoint (client-side wall time); the rest stay in-process.
 """
 
@@ -25,9 +25,9 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
+from griffin.weights import tensors_sha256
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress
-from griffin.weights import tensors_sha256
 from pipeline.resources import draft_for_run, load_draft, load_questions, load_target, target_fingerprint
 from pipeline.openai_api import completion_text, render_chat
 from pipeline.report import log_report, summarize, write_reports
