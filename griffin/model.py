@@ -253,21 +253,23 @@ class GriffinDraft(nn.Module):
     def start_from_target_layer(self, layer: nn.Module) -> None:
         """Copy a target decoder layer (LLaMA / Qwen2 names) into the draft's: attention, post-attention
         norm and MLP. Grouped K/V heads are repeated to the draft's heads, which computes the same
-        attention. With TEH the down projection fills both halves, so P and R start equal. Not carried:
-        the target's input norm (the draft layer has none, EAGLE's convention) and Q/K/V biases
-        (Qwen2's; the draft's projections have none)."""
+        attention. The draft layer has no input norm (EAGLE's convention), so the target's input-norm
+        scale is folded into Q/K/V: on an RMS-normalised input the draft computes the target layer.
+        With TEH the down projection fills both halves, so P and R start equal. Not carried: Q/K/V
+        biases (Qwen2's; the draft's projections have none)."""
         if self.cfg.decoder_input == "concat":
             raise ValueError("draft.init_layer: EAGLE-3's attention reads [e; h] (2H wide); a target layer's "
                              "reads H, so it cannot start from one. Drop draft.init_layer for this variant")
         ours, theirs, Dh = self.layer, layer, self.cfg.head_dim
         group = self.cfg.num_attention_heads // (theirs.self_attn.k_proj.weight.shape[0] // Dh)  # Hq / Hk
-        pairs = [(ours.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight),
+        scale = theirs.input_layernorm.weight  # (D,): W @ (g * x) = (W * g) @ x
+        pairs = [(ours.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight * scale),
                  (ours.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight),
                  (ours.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight),
                  (ours.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight),
                  (ours.mlp.up_proj.weight, theirs.mlp.up_proj.weight)]
         for name in ("k_proj", "v_proj"):  # (Hk*Dh, D) -> (Hq*Dh, D): each KV head once per query head
-            weight = getattr(theirs.self_attn, name).weight
+            weight = getattr(theirs.self_attn, name).weight * scale
             heads = weight.view(-1, Dh, weight.shape[-1])  # (Hk, Dh, D); query head h reads KV head h // group
             repeated = heads.repeat_interleave(group, dim=0).reshape(-1, weight.shape[-1])  # (Hq*Dh, D)
             pairs.append((getattr(ours.self_attn, name).weight, repeated))

@@ -101,8 +101,9 @@ def test_reduced_vocabulary_maps_ids(target):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_draft_started_from_a_target_layer_computes_that_layer(arch):
-    """draft.init_layer: the draft's attention equals the target layer's on the same input (its grouped
-    K/V heads repeated to the draft's heads), and with TEH both halves of the MLP are the target's."""
+    """draft.init_layer: on an RMS-normalised input the draft's attention equals the target layer's
+    after its input norm (grouped K/V heads repeated, the norm's scale folded into Q/K/V), and with TEH
+    both halves of the MLP are the target's."""
     target = make_target(arch)
     layer = target.backbone.layers[-1]
     assert layer.self_attn.k_proj.weight.shape[0] < layer.self_attn.q_proj.weight.shape[0]  # grouped K/V
@@ -110,13 +111,16 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(arch):
         with torch.no_grad():
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.zero_()
+    with torch.no_grad():
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)  # a scale that is not all ones
     draft = GriffinDraft.for_target(target)
     draft.start_from_target_layer(layer)
     x, positions = torch.randn(1, 7, 64), torch.arange(7)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + target.hf_config.rms_norm_eps)  # RMS 1
     rope = draft.rope(positions, torch.float32)
     with torch.no_grad():
         ours = draft.layer.self_attn(x, x, rope, rope, causal(0, 7))
-        theirs = layer.self_attn(hidden_states=x, position_embeddings=target.backbone.rotary_emb(x, positions[None]),
+        theirs = layer.self_attn(hidden_states=layer.input_layernorm(x), position_embeddings=target.backbone.rotary_emb(x, positions[None]),
                                  attention_mask=None)[0]  # no mask: HF's SDPA path is causal
         normed = draft.layer.post_attention_layernorm(x)
         prediction, regression = draft.layer.mlp(normed).split(64, dim=-1)
