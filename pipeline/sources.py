@@ -287,6 +287,15 @@ def record_id(record: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
+def conversation_id(record: Any) -> str:
+    """A regenerated conversation keeps its original's id (``regenerated_from``), so that a feature
+    store of regenerated answers orders, selects and holds out (``eval_split`` hashes the id) the same
+    conversations as a store of the original answers; any other record is identified by its hash."""
+    if isinstance(record, dict) and isinstance(record.get("regenerated_from"), str):
+        return record["regenerated_from"]
+    return record_id(record)
+
+
 def _turns(record: Any, fmt: str) -> list[tuple[str, Any]]:
     if not isinstance(record, dict):
         raise SkipSample("malformed", f"expected a JSON object, got {type(record).__name__}")
@@ -330,7 +339,7 @@ def load_conversations(data: DataSection, ledger: Ledger) -> list[Conversation]:
 
     def conversations() -> Iterator[Conversation]:
         for where, record in iter_records(data.source, ledger, data.split):
-            sample_id = record_id(record)
+            sample_id = conversation_id(record)
             try:
                 if sample_id in seen:
                     raise SkipSample("duplicate", "the same record appeared earlier in the source")

@@ -108,6 +108,10 @@ def test_featurize_reads_the_regenerated_set(regenerated, tmp_path):
                                                        f"features.store={tmp_path / 'store'}"])
     result = run_featurize(features)
     assert result["complete"] and result["rows"] == len(read_set(Path(cfg.regenerated_path))[1])
+    # the store keeps the original conversations' ids: its held-out split is the same conversations
+    stored = {sid for f in st.part_files(str(tmp_path / "store"))
+              for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()}
+    assert stored == {row["sample_id"] for row in read_set(Path(cfg.regenerated_path))[1]}
 
 
 def test_a_set_made_differently_is_refused(regenerated, data):
