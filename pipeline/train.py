@@ -298,8 +298,8 @@ def _checked_init(cfg: RunConfig, target) -> str | None:
     ``pipeline.resources`` resolves, trained for this target and of this run's variant. Also checks
     ``draft.init_layer`` (the other way to start), here on the driver, so that a bad one fails before
     Ray Train starts."""
-    layers = len(target.backbone.layers)
     if cfg.draft.init_layer is not None:
+        layers = len(target.backbone.layers)
         if cfg.train.init_from is not None:
             raise ValueError("draft.init_layer and train.init_from both say where the draft starts; keep one")
         if not -layers <= cfg.draft.init_layer < layers:
