@@ -32,7 +32,8 @@ def history(run: str, config: str) -> list[tuple[int, float]]:
     client, points, offset = MlflowClient(), [], 0
     for stage_dir in sorted((ROOT / "outputs" / run / "train").glob("stage*")):
         run_id = (stage_dir / "mlflow_run_id").read_text().strip()
-        metrics = sorted(client.get_metric_history(run_id, METRIC), key=lambda m: m.step)
+        # step 0: the registry's copy of the final metrics on the registered model, not a measurement
+        metrics = sorted((m for m in client.get_metric_history(run_id, METRIC) if m.step > 0), key=lambda m: m.step)
         points += [(offset + m.step, m.value) for m in metrics]
         offset = points[-1][0] if points else offset
     # a resumed stage re-measures a step it had measured before: keep the last value per step
