@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ablations import stage_score
 from long_budget import METRIC, history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,11 +29,8 @@ ACCS = ("eval/acc_0", "eval/acc_1", "eval/acc_2")
 
 def arm(name: str) -> dict | None:
     run = f"smollm2-abl-{name}"
-    done = ROOT / "outputs" / run / "train" / "stage1" / "_complete.json"
-    if not done.is_file():
-        return None
-    best = json.loads(done.read_text())["best_metrics"]
-    return {"run": run, "curve": history(run, CONFIG), "best": {k: best.get(k) for k in (METRIC, *ACCS)}}
+    best = stage_score(run, 1)  # the stage's best checkpoint: METRIC and ACCS
+    return None if best is None else {"run": run, "curve": history(run, CONFIG), "best": best}
 
 
 def main() -> None:
