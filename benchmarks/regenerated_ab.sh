@@ -7,7 +7,7 @@
 # the greedy rows are what the target writes at T=0, the sampled ones nearer what it writes at T>0.
 # Results: benchmarks/regenerated_ab_on_{original,greedy,sampled}.{json,md}.
 #
-#   nohup benchmarks/regenerated_ab.sh > outputs/regenerated_ab.log 2>&1 &   # ~2-2.5 h on 2 AVX-512 BF16 cores
+#   nohup benchmarks/regenerated_ab.sh > outputs/regenerated_ab.log 2>&1 &   # ~1.6 h on 2 AVX-512 BF16 cores (measured)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CFG=jobs/configs/smollm2-regen-ab.yaml
