@@ -1,13 +1,13 @@
 """Decoding benchmark: our vanilla decoding vs HF generate, and tree-verify cost vs one decode step.
 
-Real target (SmolLM2-135M-Instruct, bf16, CPU). Three decoders, interleaved per prompt in one
+Real target (SmolLM2-135M-Instruct, CPU, bf16 or ``--dtype float32``). Three decoders, interleaved per prompt in one
 process: ours with the target's linears pre-packed for oneDNN (``TargetAdapter.prepack``, what
 serve and eval use), ours on plain weights, and HF ``generate`` on a stock copy of the model. We
 report medians of per-prompt ratios. The verify-cost part times one 16- and one 60-token tree
 verify against a single-token step, interleaved, on both weight layouts.
-Writes benchmarks/decode.json, decode.md, decode.png.
+Writes benchmarks/decode.{json,md,png} (bf16) or decode-fp32.{json,md,png}.
 
-    python benchmarks/decode_bench.py [--prompts 8] [--new 64] [--reps 15]
+    python benchmarks/decode_bench.py [--dtype bfloat16|float32] [--prompts 8] [--new 64] [--reps 15]
 """
 
 from __future__ import annotations
@@ -99,10 +99,12 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
-    packed = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
-    assert packed.prepack(), "this CPU has no oneDNN bf16: the packed decoder cannot be measured here"
-    plain = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
+    stem = "decode" if args.dtype == "bfloat16" else "decode-fp32"
+    packed = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype=args.dtype)
+    assert packed.prepack(), f"this CPU has no oneDNN {args.dtype}: the packed decoder cannot be measured here"
+    plain = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype=args.dtype)
     ids_list = prompts(plain, args.prompts)
     bench_generate(packed, plain, ids_list[:1], 8)  # warm-up
     gen = bench_generate(packed, plain, ids_list, args.new)
@@ -119,12 +121,12 @@ def main():
     result = {
         "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
                      "torch": torch.__version__},
-        "target": "smollm2-135m-instruct bf16", "new_tokens": args.new, "generate": gen, "verify": ver,
+        "target": f"smollm2-135m-instruct {args.dtype}", "new_tokens": args.new, "generate": gen, "verify": ver,
         "summary": summary,
     }
-    (OUT / "decode.json").write_text(json.dumps(result, indent=2))
+    (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2))
     s = summary
-    (OUT / "decode.md").write_text(
+    (OUT / f"{stem}.md").write_text(
         "| metric | packed (ours, default) | plain weights |\n|---|---|---|\n"
         f"| vanilla_generate tokens/s (median) | {s['ours_tok_s_median']:.1f} | {s['ours_plain_tok_s_median']:.1f} |\n"
         f"| HF generate greedy tokens/s (median, stock model) | {s['hf_tok_s_median']:.1f} | |\n"
@@ -153,9 +155,9 @@ def main():
     axes[1].set_xticks(range(3), labels)
     axes[1].set_ylabel("ms per target pass (median)")
     axes[1].legend()
-    fig.suptitle("SmolLM2-135M bf16, CPU")
+    fig.suptitle(f"SmolLM2-135M {args.dtype}, CPU")
     fig.tight_layout()
-    fig.savefig(OUT / "decode.png", dpi=100)
+    fig.savefig(OUT / f"{stem}.png", dpi=100)
     print(json.dumps(s, indent=2))
 
 

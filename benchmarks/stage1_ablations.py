@@ -4,13 +4,15 @@ Per arm: the held-out expected accepted tokens (``eval/sim_accept_len``) at ever
 runs' MLflow history, the per-step acceptance of the stage's best checkpoint, and its ratio to the
 default arm. The held-out chains start on the "draft" window in every arm, so the reply's first
 draft, which only the "draft" window trains, is scored in all of them.
-Writes benchmarks/stage1_ablations.{json,md}.
+Writes benchmarks/stage1_ablations.{json,md}. ``benchmarks/lr_sweep.sh`` reuses the table for its
+own arms, runs and config (``--arms``, ``--prefix``, ``--config``, ``--base``, ``--out``).
 
     .venv/bin/python benchmarks/stage1_ablations.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -27,32 +29,45 @@ ARMS = {BASE: "default: `loss_window: draft`, random decoder init",
 ACCS = ("eval/acc_0", "eval/acc_1", "eval/acc_2")
 
 
-def arm(name: str) -> dict | None:
-    run = f"smollm2-abl-{name}"
+def arm(run: str, config: str) -> dict | None:
     best = stage_score(run, 1)  # the stage's best checkpoint: METRIC and ACCS
-    return None if best is None else {"run": run, "curve": history(run, CONFIG), "best": best}
+    return None if best is None else {"run": run, "curve": history(run, config), "best": best}
 
 
-def main() -> None:
-    arms = {name: arm(name) for name in ARMS}
-    (OUT / "stage1_ablations.json").write_text(json.dumps({"config": CONFIG, "metric": METRIC, "arms": arms}, indent=2))
+def table(arms: dict[str, dict | None], labels: dict[str, str], base: str, config: str) -> list[str]:
+    """A markdown table: held-out metric per checkpoint, per-step acceptance and ratio to ``base``."""
     steps = sorted({s for a in arms.values() if a for s, _ in a["curve"]})
-    base = arms[BASE]["best"][METRIC] if arms[BASE] else None
-    lines = [f"GRIFFIN stage 1 from scratch on `{CONFIG}`'s store, the same seed, steps and held-out rows; "
+    base_score = arms[base]["best"][METRIC] if arms.get(base) else None
+    lines = [f"GRIFFIN stage 1 from scratch on `{config}`'s store, the same seed and held-out rows; "
              f"`{METRIC}` at each checkpoint (held-out chains start on the draft window in every arm).", "",
              "| arm | " + " | ".join(f"step {s}" for s in steps) + " | acc_0 / acc_1 / acc_2 (best) | best / default |",
              "|---|" + "---|" * (len(steps) + 2)]
-    for name, label in ARMS.items():
+    for name, label in labels.items():
         a = arms[name]
         if a is None:
             lines.append(f"| {label} | " + " | ".join("-" for _ in steps) + " | not run | - |")
             continue
         curve = dict(a["curve"])
         accs = " / ".join(f"{a['best'][k]:.3f}" for k in ACCS)
-        ratio = f"{a['best'][METRIC] / base:.3f}" if base else "-"
+        ratio = f"{a['best'][METRIC] / base_score:.3f}" if base_score else "-"
         lines.append(f"| {label} | " + " | ".join(f"{curve[s]:.3f}" if s in curve else "-" for s in steps)
                      + f" | {accs} | {ratio} |")
-    (OUT / "stage1_ablations.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=CONFIG, help="the jobs/configs file whose MLflow holds the runs")
+    parser.add_argument("--prefix", default="smollm2-abl-", help="run name = prefix + arm")
+    parser.add_argument("--base", default=BASE, help="the arm the ratios divide by")
+    parser.add_argument("--arms", nargs="+", metavar="NAME=LABEL", help="default: this file's ablation arms")
+    parser.add_argument("--out", default="stage1_ablations", help="benchmarks/<out>.{json,md}")
+    args = parser.parse_args()
+    labels = dict(a.split("=", 1) for a in args.arms) if args.arms else ARMS
+    arms = {name: arm(args.prefix + name, args.config) for name in labels}
+    (OUT / f"{args.out}.json").write_text(json.dumps({"config": args.config, "metric": METRIC, "arms": arms}, indent=2))
+    lines = table(arms, labels, args.base, args.config)
+    (OUT / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -337,7 +337,7 @@ class GriffinDraft(nn.Module):
         return fused, fused
 
     def prepack(self) -> bool:
-        """Pre-pack the linears and the head for CPU bf16 drafting (griffin.target.PackedLinear);
+        """Pre-pack the linears and the head for CPU drafting, fp32 or native bf16 (griffin.target.PackedLinear);
         inference only. The packed head is a plain attribute: it is not part of the state_dict."""
         from griffin.target import PackedLinear, prepack_linears, prepack_supported
 

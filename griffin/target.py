@@ -44,22 +44,32 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's packed bf16 linear: CPU builds with mkldnn on a CPU with bf16 support."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and fast_bf16(device)
+    """oneDNN's packed linear: CPU builds with mkldnn, in fp32, or in bf16 on a CPU with bf16 support."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and fast_bf16(device))
+
+
+# oneDNN's packed layout is chosen for a batch size (rows of the input). bf16 (AMX / AVX512-BF16):
+# batch 1, the decode step's GEMV; tree verifies (M <= 64) measured well on it too. fp32 (measured on
+# an AVX2-only CPU, benchmarks/decode-fp32.md): the batch-1 layout makes every M >= 2 product ~2x
+# slower than the batch-1 one, while a batch-16 layout keeps M = 1..32 near the GEMV's cost.
+LAYOUT_BATCH = {torch.bfloat16: 1, torch.float32: 16}
 
 
 class PackedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is pre-packed into oneDNN's blocked layout, as the CPU
-    freezing pass of ``torch.compile`` does. At batch 1 a bf16 GEMV on plain row-major weights
-    streams them ~1.6x slower than on packed ones (benchmarks/decode.md), and decoding is that GEMV.
+    freezing pass of ``torch.compile`` does. On plain row-major weights a bf16 GEMV at batch 1
+    streams them ~1.6x slower (benchmarks/decode.md), and an fp32 tree verify pays MKL's repacking
+    of the weights on every call (benchmarks/decode-fp32.md); decoding is those products.
     ``weight`` stays, so tied embeddings, ``head_weight`` and ``state_dict`` see the same tensor."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        # the layout hint is batch 1: decode steps; tree verifies (M <= 64) run well on it too
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        batch = LAYOUT_BATCH[linear.weight.dtype]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         flat = x.reshape(-1, self.in_features)
@@ -179,7 +189,7 @@ class TargetAdapter:
         return cls(model, tokenizer, name=str(path_or_name))
 
     def prepack(self) -> bool:
-        """Pre-pack the target's linear layers for CPU bf16 decoding (see ``PackedLinear``); a
+        """Pre-pack the target's linear layers for CPU decoding, fp32 or native bf16 (``PackedLinear``); a
         no-op elsewhere. Returns whether it packed. Inference only: call it in decoding processes."""
         if not prepack_supported(self.device, self.dtype):
             return False

@@ -28,7 +28,8 @@ class TargetSection(Section):
         "AVX512-BF16), else float32")
     device: str = "cpu"
     prepack: bool = Field(
-        default=True, description="CPU bf16 decoding (serve, eval): pre-pack linear weights for oneDNN (no-op elsewhere)"
+        default=True, description="CPU decoding (serve, eval, tune-tree) in fp32 or native bf16: pre-pack linear "
+        "weights for oneDNN (no-op elsewhere)"
     )
     tiny: dict[str, Any] | None = Field(
         default=None, description="build a random target from these LlamaConfig fields instead (tests)"
@@ -187,6 +188,8 @@ class DecodeSection(Section):
                        "(calibration prompts the evaluation never uses) and evaluate with it")
     tune_prompts: int = Field(default=4, ge=1, description="tune-tree's calibration prompts")
     tune_max_new_tokens: int = Field(default=64, ge=1, description="tune-tree's tokens per calibration prompt")
+    tune_sweeps: int = Field(default=2, ge=1, description="tune-tree's coordinate-search sweeps over total_tokens, "
+                             "depth and top_k (each costs up to 23 trees)")
 
 
 class EvalSection(Section):

@@ -11,9 +11,10 @@ halves of the trade-off, in one process:
   round (medians over every round resist the noise of a shared machine).
 
 Expected tokens/s = tau / (median draft + median verify seconds per round); prefill is the same for
-every candidate and left out. A coordinate search starts at the evaluation tree (``eval.tree`` or ``decode.tree``) and sweeps total_tokens,
-depth and top_k twice. The calibration prompts are the *last* questions of ``eval.datasets``; the
-evaluation takes the first ones, so it never scores the tree on the prompts that picked it.
+every candidate and left out. A coordinate search starts at the evaluation tree (``eval.tree`` or
+``decode.tree``) and sweeps total_tokens, depth and top_k ``decode.tune_sweeps`` times (default
+twice). The calibration prompts are the *last* questions of ``eval.datasets``; the evaluation takes
+the first ones, so it never scores the tree on the prompts that picked it.
 """
 
 from __future__ import annotations
@@ -147,14 +148,15 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
     curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
     speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
-    progress = console.Progress("tune-tree", 2 * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
+    sweeps = cfg.decode.tune_sweeps
+    progress = console.Progress("tune-tree", sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
 
     def score(tree: TreeConfig) -> Candidate:
         candidate = measure_tree(target, draft_model, calibration, tree, max_new_tokens)
         progress.update(progress.done + 1, f"last τ {candidate.tau:.2f}")
         return candidate
 
-    best, ranked = coordinate_search(score, cfg.eval_tree)
+    best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
     vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
     result = {"draft": draft_uri, "target": target.name, "prepacked": target.packed,

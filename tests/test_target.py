@@ -62,12 +62,18 @@ def test_tied_head_is_the_embedding():
     assert target.head_weight.data_ptr() == target.embed_weight.data_ptr()
 
 
-@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU")
-def test_prepacked_target_and_draft_match_unpacked():
+# (dtype, tolerance): fp32 packs everywhere oneDNN is built in; bf16 only where the CPU runs it natively
+PACKED_DTYPES = [pytest.param(torch.float32, 1e-4, id="fp32"),
+                 pytest.param(torch.bfloat16, 0.05, id="bf16", marks=pytest.mark.skipif(
+                     not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU"))]
+
+
+@pytest.mark.parametrize("dtype,atol", PACKED_DTYPES)
+def test_prepacked_target_and_draft_match_unpacked(dtype, atol):
     """Pre-packed oneDNN linears compute the same function: prefill and tree-verify logits, the
-    weights the draft and the tied head read, and the draft's logits all agree with plain bf16."""
+    weights the draft and the tied head read, and the draft's logits all agree with plain weights."""
     plain, packed = make_target("llama-tied"), make_target("llama-tied")
-    plain.model.to(torch.bfloat16), packed.model.to(torch.bfloat16)
+    plain.model.to(dtype), packed.model.to(dtype)
     assert packed.prepack() and isinstance(packed.lm_head, PackedLinear)
     assert packed.head_weight.data_ptr() == packed.embed_weight.data_ptr()  # still tied, same tensor
     assert packed.model.state_dict().keys() == plain.model.state_dict().keys()
@@ -78,18 +84,20 @@ def test_prepacked_target_and_draft_match_unpacked():
         cache = target.new_cache(32)
         _, prefill = target.forward(ids, cache)
         _, verify = target.verify(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1]), tree_mask, cache)
-        outs.append((prefill, verify))
+        _, step = target.forward(torch.tensor([[8]]), cache)  # batch 1: the decode step's GEMV
+        outs.append((prefill, verify, step))
     for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
-    draft = GriffinDraft.for_target(packed).cast_parameters(torch.bfloat16)
-    prediction = torch.randn(1, 3, packed.hidden_size, dtype=torch.bfloat16)
+        torch.testing.assert_close(a, b, atol=atol, rtol=0.02)
+    draft = GriffinDraft.for_target(packed).cast_parameters(dtype)
+    prediction = torch.randn(1, 3, packed.hidden_size, dtype=dtype)
     before = draft.logits(prediction)
     assert draft.prepack()
-    torch.testing.assert_close(draft.logits(prediction), before, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(draft.logits(prediction), before, atol=atol, rtol=0.02)
     assert "packed_head" not in dict(draft.named_modules()) and set(draft.state_dict()) == set(
         GriffinDraft.for_target(plain).state_dict())
 
 
-def test_prepack_is_a_no_op_in_fp32():
+def test_prepack_is_a_no_op_in_fp16():
     target = make_target("llama")
+    target.model.to(torch.float16)
     assert not target.prepack() and isinstance(target.lm_head, torch.nn.Linear)
