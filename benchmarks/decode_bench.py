@@ -94,6 +94,31 @@ def bench_verify(targets, ids, reps):
     return rows
 
 
+def bench_layouts(target, reps):
+    """oneDNN's packed layout is chosen for a batch size (``griffin.target.LAYOUT_BATCH``): the median ms
+    of the target's LM head and one MLP up-projection at M rows, on plain weights and on layouts packed
+    for batch 1 and 16, interleaved."""
+    weights = {"lm_head": target.head_weight.detach(),
+               "mlp_up": target.model.model.layers[0].mlp.up_proj.weight.detach()}
+    rows = {}
+    for name, w in weights.items():
+        layouts = {f"packed_b{b}": torch.ops.mkldnn._reorder_linear_weight(w, b) for b in (1, 16)}
+        for m in (1, 2, 8, 16, 32):
+            x = torch.randn(m, w.shape[1], dtype=w.dtype)
+            runs = {"plain": lambda: torch.nn.functional.linear(x, w),
+                    **{k: (lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                       for k, p in layouts.items()}}
+            times = {k: [] for k in runs}
+            with torch.inference_mode():
+                for rep in range(reps + 1):  # repetition 0 warms up
+                    for k, fn in runs.items():
+                        seconds, _ = time_it(fn)
+                        if rep:
+                            times[k].append(seconds * 1e3)
+            rows[f"{name}_M{m}"] = {k: statistics.median(v) for k, v in times.items()}
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=8)
@@ -109,6 +134,7 @@ def main():
     bench_generate(packed, plain, ids_list[:1], 8)  # warm-up
     gen = bench_generate(packed, plain, ids_list, args.new)
     ver = bench_verify({"packed": packed, "plain": plain}, ids_list[0], args.reps)
+    layouts = bench_layouts(plain, args.reps)
     med = lambda rows, k: statistics.median(r[k] for r in rows)
     summary = {"ours_tok_s_median": med(gen, "ours_tok_s"), "ours_plain_tok_s_median": med(gen, "ours_plain_tok_s"),
                "hf_tok_s_median": med(gen, "hf_tok_s"), "speed_ratio_ours_over_hf_median": med(gen, "ratio"),
@@ -121,7 +147,7 @@ def main():
     result = {
         "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
                      "torch": torch.__version__},
-        "target": f"smollm2-135m-instruct {args.dtype}", "new_tokens": args.new, "generate": gen, "verify": ver,
+        "target": f"smollm2-135m-instruct {args.dtype}", "new_tokens": args.new, "generate": gen, "verify": ver, "layouts_ms": layouts,
         "summary": summary,
     }
     (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2))
@@ -140,7 +166,11 @@ def main():
         f"| verify16 / step (median of ratios) | {s['packed_verify16_over_step_median']:.2f}x | "
         f"{s['plain_verify16_over_step_median']:.2f}x |\n"
         f"| verify60 / step (median of ratios) | {s['packed_verify60_over_step_median']:.2f}x | "
-        f"{s['plain_verify60_over_step_median']:.2f}x |\n")
+        f"{s['plain_verify60_over_step_median']:.2f}x |\n\n"
+        "oneDNN layout by the batch it is packed for (median ms of one product with M input rows):\n\n"
+        "| product, M | plain weights | packed for batch 1 | packed for batch 16 |\n|---|---|---|---|\n"
+        + "".join(f"| {k} | {v['plain']:.3f} | {v['packed_b1']:.3f} | {v['packed_b16']:.3f} |\n"
+                  for k, v in layouts.items()))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
