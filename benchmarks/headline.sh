@@ -18,11 +18,13 @@ CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
 TARGET=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').target_slug)")
 STEPS=$(.venv/bin/python -c "from pipeline.config import load_config; print(sum(s.steps for s in load_config('$CFG').train.schedule))")
+LR1=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').train.schedule[0].lr)")
 GRIFFIN=()
 HASS=(run_name=$NAME-hass draft.variant=hass registry.model_name=$TARGET-hass)
-# EAGLE-2's draft is stage-1 training only: the same total number of optimizer steps in one stage
+# EAGLE-2's draft is stage-1 training only: the same total number of optimizer steps in one stage, at
+# GRIFFIN's stage-1 lr
 EAGLE=(run_name=$NAME-eagle draft.variant=eagle registry.model_name=$TARGET-eagle
-       "train.schedule=[{stage: 1, steps: $STEPS, lr: 0.0005}]")
+       "train.schedule=[{stage: 1, steps: $STEPS, lr: $LR1}]")
 LAYERS=(features.store=outputs/$NAME-layers-features)  # features.layers=auto: the variant's layers
 EAGLE3=(run_name=$NAME-eagle3 draft.variant=eagle3 registry.model_name=$TARGET-eagle3 "${LAYERS[@]}")
 GRIFFIN3=(run_name=$NAME-griffin3 draft.variant=griffin3 registry.model_name=$TARGET-griffin3 "${LAYERS[@]}")
