@@ -4,7 +4,8 @@ Per arm: the held-out expected accepted tokens (``eval/sim_accept_len``) at ever
 runs' MLflow history, the per-step acceptance of the stage's best checkpoint, and its ratio to the
 default arm. The held-out chains start on the "draft" window in every arm, so the reply's first
 draft, which only the "draft" window trains, is scored in all of them.
-Writes benchmarks/stage1_ablations.{json,md}. ``benchmarks/lr_sweep.sh`` reuses the table for its
+Writes benchmarks/stage1_ablations.{json,md,png} (the plot: the metric against training tokens, so
+arms with other batch sizes line up). ``benchmarks/lr_sweep.sh`` reuses the table for its
 own arms, runs and config (``--arms``, ``--prefix``, ``--config``, ``--base``, ``--out``).
 
     .venv/bin/python benchmarks/stage1_ablations.py
@@ -31,7 +32,30 @@ ACCS = ("eval/acc_0", "eval/acc_1", "eval/acc_2")
 
 def arm(run: str, config: str) -> dict | None:
     best = stage_score(run, 1)  # the stage's best checkpoint: METRIC and ACCS
-    return None if best is None else {"run": run, "curve": history(run, config), "best": best}
+    if best is None:
+        return None
+    saved = json.loads((ROOT / "outputs" / run / "train" / "stage1" / "best" / "config.json").read_text())
+    batch_tokens = saved["provenance"]["resolved_config"]["train"]["batch_tokens"]
+    return {"run": run, "batch_tokens": batch_tokens, "curve": history(run, config), "best": best}
+
+
+def plot(arms: dict[str, dict | None], labels: dict[str, str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for name, label in labels.items():
+        if arms[name]:
+            steps, values = zip(*arms[name]["curve"])
+            ax.plot([s * arms[name]["batch_tokens"] / 1e3 for s in steps], values, marker="o", label=label)
+    ax.set_xlabel("training tokens (thousands)")
+    ax.set_ylabel(f"held-out {METRIC}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def table(arms: dict[str, dict | None], labels: dict[str, str], base: str, config: str) -> list[str]:
@@ -68,6 +92,7 @@ def main() -> None:
     (OUT / f"{args.out}.json").write_text(json.dumps({"config": args.config, "metric": METRIC, "arms": arms}, indent=2))
     lines = table(arms, labels, args.base, args.config)
     (OUT / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    plot(arms, labels, OUT / f"{args.out}.png")
     print("\n".join(lines))
 
 
