@@ -8,7 +8,7 @@
 # It ships the new draft (griffin ship) only when SHIP=1: decide from the numbers first.
 # Every step resumes or is skipped when done; run it in the background:
 #   nohup benchmarks/longer_draft.sh > outputs/longer_draft.log 2>&1 &
-# Results: benchmarks/longer_draft.{json,md} (held out), outputs/smollm2-longer-griffin/eval/.
+# Results: benchmarks/longer_draft.{json,md} (held out), benchmarks/longer_draft/ (the evaluation's report).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CFG=jobs/configs/smollm2-longer.yaml
@@ -26,6 +26,8 @@ TREE=$(.venv/bin/python -c "import json; t = json.load(open('$SHIPPED/card.json'
 [ -f "$RUN/eval/report.json" ] || $G eval -c "$CFG" --draft "$NEW" "eval.tree=$TREE" "eval.extra_drafts={shipped: $SHIPPED}" \
   "eval.num_questions=${QUESTIONS:-6}" "eval.temperatures=[0, 1]" "eval.max_new_tokens=128" \
   "eval.baselines=[vanilla, hf_generate]"
+mkdir -p benchmarks/longer_draft
+cp "$RUN"/eval/{report.md,report.json,tau.png,speedup.png} benchmarks/longer_draft/
 if [ "${SHIP:-0}" = 1 ]; then
   $G register -c "$CFG" --checkpoint "$NEW"
   $G ship -c "$CFG" --source "$NEW" --report "$RUN/eval/report.json"
