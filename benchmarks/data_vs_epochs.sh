@@ -9,13 +9,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.venv/bin/griffin
-NEW_STORE=outputs/smollm2-longer-features
+store_of() { .venv/bin/python -c "from pipeline.config import load_config; print(load_config('jobs/configs/$1.yaml').store_path)"; }
+SWEEP_STORE=$(store_of smollm2-sweep)
+NEW_STORE=$(store_of smollm2-longer)
 $G featurize -c jobs/configs/smollm2-longer.yaml
 $G train -c jobs/configs/smollm2-sweep.yaml run_name=smollm2-sweep-conversations features.store="$NEW_STORE" \
   train.eval_every=100 train.checkpoint_every=100 "train.schedule=[{stage: 1, steps: 300, lr: 0.001}]"
 DRAFTS=(epochs=outputs/smollm2-sweep-lr1e-3/train/stage1/best
         conversations=outputs/smollm2-sweep-conversations/train/stage1/best)
-for store in sweep:outputs/smollm2-sweep-features new:$NEW_STORE; do
+for store in sweep:$SWEEP_STORE new:$NEW_STORE; do
   .venv/bin/python benchmarks/heldout_score.py --starts all --store "${store#*:}" --out "data_vs_epochs_on_${store%%:*}" \
     "${DRAFTS[@]}"
 done
