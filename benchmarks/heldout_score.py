@@ -9,10 +9,11 @@ split), with chains that start at every reply position or only at each reply's f
   drafts trained on original and on regenerated answers, each scored on both.
 
 acc_k and the expected accepted tokens of a greedy chain (teacher-forced features, the target's
-greedy ids), per draft. Writes benchmarks/<out>.{json,md}.
+greedy ids), per draft. ``--top-k 1 10`` also scores chains that survive while the target's token is
+among the draft's k best (a tree's branching without its node budget). Writes benchmarks/<out>.{json,md}.
 
-    .venv/bin/python benchmarks/heldout_score.py [--store DIR] [--starts first|all] [--out first_draft] \
-        NAME=DRAFT_DIR [NAME=DRAFT_DIR ...]
+    .venv/bin/python benchmarks/heldout_score.py [--store DIR] [--starts first|all] [--top-k 1 ...] \
+        [--out first_draft] NAME=DRAFT_DIR [NAME=DRAFT_DIR ...]
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", help="feature store (default: smollm2-long's)")
     parser.add_argument("--starts", choices=("first", "all"), default="first")
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1], help="accept within the draft's k best")
     parser.add_argument("--out", default="first_draft", help="benchmarks/<out>.{json,md}")
     parser.add_argument("drafts", nargs="+", metavar="NAME=DRAFT_DIR")
     args = parser.parse_args()
@@ -78,13 +80,15 @@ def main() -> None:
         if draft.cfg.feature_layers:
             raise SystemExit(f"{name}: a multi-layer draft (EAGLE-3, GRIFFIN-3) reads feature layers, which this "
                              "scorer does not load; score it through its training's held-out metric")
-        counts = sum(acceptance_counts(draft, b, STEPS, bf16=bf16, teacher=teacher_ids(draft, b, head, bf16))
-                     for b in batches)
-        results[name] = {"draft": path, **acceptance_metrics(counts)}
-        print(name, {k: round(v, 4) for k, v in results[name].items() if k != "draft"}, flush=True)
+        teachers = [teacher_ids(draft, b, head, bf16) for b in batches]
+        for k in args.top_k:
+            counts = sum(acceptance_counts(draft, b, STEPS, bf16=bf16, teacher=t, top_k=k)
+                         for b, t in zip(batches, teachers))
+            results[name if k == 1 else f"{name} top-{k}"] = {"draft": path, "top_k": k, **acceptance_metrics(counts)}
+            print(name, k, {m: round(v, 4) for m, v in acceptance_metrics(counts).items()}, flush=True)
     out = Path(__file__).parent
     (out / f"{args.out}.json").write_text(json.dumps({"store": store, "starts": args.starts, "steps": STEPS,
-                                                      "results": results}, indent=2))
+                                                      "top_k": args.top_k, "results": results}, indent=2))
     where = "each reply's first draft" if args.starts == "first" else "every reply position (the draft window)"
     lines = [f"Chains that start at {where}, held-out rows of `{Path(store).name}` "
              f"({int(next(iter(results.values()))['eval/chains'])} chains).", "",

@@ -91,10 +91,13 @@ def teacher_ids(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | 
 @torch.no_grad()
 def acceptance_counts(
     draft: GriffinDraft, batch: ShiftedBatch, steps: int, target_head: Tensor | None = None, bf16: bool = False,
-    teacher: Tensor | None = None,
+    teacher: Tensor | None = None, top_k: int = 1,
 ) -> Tensor:
     """(2, K) float64: row 0 = accepted chains per step, row 1 = chains that reached the step.
-    ``teacher``: ``teacher_ids(draft, batch, target_head, bf16)`` when already computed."""
+    ``teacher``: ``teacher_ids(draft, batch, target_head, bf16)`` when already computed.
+    ``top_k`` > 1 accepts a step when the target's token is among the draft's k best: the chain a tree
+    with top-k branching and no node budget would keep, an upper bound on what a decode tree recovers
+    of the draft's first-choice misses."""
     draft.eval()
     if teacher is None:
         teacher = teacher_ids(draft, batch, target_head, bf16)  # (B, T)
@@ -106,8 +109,8 @@ def acceptance_counts(
     for k in range(steps):
         with autocast(batch.features.device, bf16):
             P, R = draft(streams, batch.tokens, batch.attention_mask)  # pass k+1: (B, T, D)
-            guess = draft.to_target_ids(draft.logits(P).argmax(-1))  # (B, T) target ids
-        accepted = reach & (guess == teacher)
+            guesses = draft.to_target_ids(draft.logits(P).topk(top_k, dim=-1).indices)  # (B, T, k) target ids
+        accepted = reach & (guesses == teacher.unsqueeze(-1)).any(-1)
         counts[0, k], counts[1, k] = accepted.sum(), reach.sum()
         # step k+1 at position r continues the chain that was accepted at r-1 on greedy data
         reach = shift_right((accepted & greedy_data).float()).bool()

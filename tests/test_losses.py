@@ -100,3 +100,20 @@ def test_alignment_mask_only_for_griffin():
         m = token_alignable_step(draft, batch, TrainConfig(), StagePlan.for_stage(3, variant, steps=1), backward=False)
         assert m["mask_kept_1"] == 1.0
         assert (m["mask_kept_3"] < 0.5) if shrinks else (m["mask_kept_3"] == 1.0)
+
+
+def test_top_k_acceptance_bounds_the_greedy_chain():
+    """top_k=1 is the greedy chain; a wider k accepts at least as often at every step, and k = the
+    draft's whole vocabulary accepts every first step it reaches."""
+    from griffin.training import acceptance_counts
+
+    torch.manual_seed(0)
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target)
+    batch = tiny_batch(target)
+    greedy = acceptance_counts(draft, batch, 3)
+    assert torch.equal(greedy, acceptance_counts(draft, batch, 3, top_k=1))
+    wide = acceptance_counts(draft, batch, 3, top_k=5)
+    assert (wide[0] >= greedy[0]).all() and wide[1, 0] == greedy[1, 0]
+    everything = acceptance_counts(draft, batch, 3, top_k=draft.cfg.vocab_size)
+    assert everything[0, 0] == everything[1, 0] > greedy[0, 0]
