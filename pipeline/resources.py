@@ -245,7 +245,11 @@ def draft_for_run(cfg: RunConfig, target: TargetAdapter, draft: Any = None) -> t
     """(model, uri): a model already in memory (uri None), a URI or directory, or the run's candidate."""
     if draft is not None and not isinstance(draft, (str, Path)):
         return draft, None
-    uri = str(draft) if draft is not None else candidate_uri(cfg)
-    local = _local_draft_dir(uri)
-    uri = str(local) if local is not None else uri
+    uri = canonical_draft_uri(draft if draft is not None else candidate_uri(cfg))
     return load_draft(uri, target, cfg), uri
+
+
+def canonical_draft_uri(draft: str | Path) -> str:
+    """A draft's URI as reports record it: a local directory resolved to its absolute path."""
+    local = _local_draft_dir(str(draft))
+    return str(local) if local is not None else str(draft)

@@ -44,14 +44,14 @@ def _cached_eval(cfg: RunConfig, model_uri: str) -> dict[str, Any] | None:
 
 def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     """``cfg`` decoding with the tree ``griffin tune-tree`` picks for this draft on this machine
-    (a finished tuning of the same draft is reused)."""
+    (a finished tuning of the same draft, with the same settings on the same machine, is reused)."""
     from griffin.config import TreeConfig
-    from pipeline.tune import run_tune_tree
+    from pipeline.tune import reusable_tuning, run_tune_tree
 
-    report = cfg.run_dir / "tune_tree" / "tune_tree.json"
-    if report.is_file() and json.loads(report.read_text()).get("draft") == model_uri:
-        best = json.loads(report.read_text())["best"]
-        say(f"tune-tree for {model_uri} already in {report.parent}: reused")
+    finished = reusable_tuning(cfg, model_uri)
+    if finished is not None:
+        best = finished["best"]
+        say(f"tune-tree for {model_uri} already in {cfg.run_dir / 'tune_tree'}: reused")
     else:
         best = run_tune_tree(cfg, draft=model_uri)["best"]
     tree = TreeConfig(**{name: best[name] for name in ("total_tokens", "depth", "top_k")})

@@ -134,6 +134,30 @@ def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torc
     return prompts[:count]
 
 
+def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: int) -> dict[str, Any]:
+    """What a tuning's answer depends on: the draft, the target and its dtype, the calibration, the
+    search and the machine (a verify that is cheap on one CPU or GPU is dear on another)."""
+    from pipeline.report import hardware
+
+    machine = {k: v for k, v in hardware().items() if k in ("processor", "cpu_count", "torch_threads", "gpu")}
+    return {"draft": draft_uri, "target": cfg.target.model_dump(mode="json"), "datasets": list(cfg.eval.datasets),
+            "prompts": prompts, "max_new_tokens": max_new_tokens, "sweeps": cfg.decode.tune_sweeps,
+            "start": cfg.eval_tree.model_dump(), "machine": machine}
+
+
+def reusable_tuning(cfg: RunConfig, draft_uri: str) -> dict[str, Any] | None:
+    """The finished ``tune_tree.json`` of this run when it tuned exactly what a new tuning with the
+    config's defaults would (same draft, settings and machine), else None."""
+    from pipeline.resources import canonical_draft_uri
+
+    report = cfg.run_dir / "tune_tree" / "tune_tree.json"
+    if not report.is_file():
+        return None
+    data = json.loads(report.read_text())
+    wanted = tune_settings(cfg, canonical_draft_uri(draft_uri), cfg.decode.tune_prompts, cfg.decode.tune_max_new_tokens)
+    return data if data.get("settings") == wanted else None
+
+
 def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None = None,
                   max_new_tokens: int | None = None) -> dict[str, Any]:
     """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides.
@@ -160,6 +184,7 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
     vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
     result = {"draft": draft_uri, "target": target.name, "prepacked": target.packed,
+              "settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
               "calibration": {"prompts": len(calibration), "max_new_tokens": max_new_tokens},
               "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla, "start": cfg.eval_tree.model_dump(),
               "best": asdict(best), "expected_speedup": best.tokens_per_s / vanilla,

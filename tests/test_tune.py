@@ -10,7 +10,7 @@ from griffin.model import GriffinDraft
 from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.resources import load_target, save_draft
-from pipeline.tune import Candidate, coordinate_search, verify_cost_curve
+from pipeline.tune import Candidate, coordinate_search, reusable_tuning, run_tune_tree, verify_cost_curve
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 
@@ -54,3 +54,23 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     TreeConfig(total_tokens=best["total_tokens"], depth=best["depth"], top_k=best["top_k"])  # a valid tree
     assert report["calibration"]["prompts"] == 2 and len(report["verify_ms_by_tokens"]) == 11
     assert (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.png").stat().st_size > 0
+
+
+def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
+    """`griffin run` reuses tune_tree.json for the same draft, calibration, search and machine, and
+    tunes again when any of them changed."""
+    same = [f"output_dir={tmp_path}", "decode.tune_prompts=1", "decode.tune_max_new_tokens=4", "decode.tune_sweeps=1",
+            "eval.datasets=[mt_bench]"]
+    cfg = load_config(TINY, same)
+    torch.manual_seed(0)
+    target = load_target(cfg.target)
+    draft_dir = str(save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target))
+    relative = f"{draft_dir}/../draft"  # the same directory, spelled differently
+    assert reusable_tuning(cfg, draft_dir) is None  # nothing tuned yet
+    run_tune_tree(cfg, draft=draft_dir)
+    assert reusable_tuning(cfg, draft_dir)["best"]["tau"] >= 1.0
+    assert reusable_tuning(cfg, relative) is not None
+    assert reusable_tuning(cfg, str(tmp_path / "another-draft")) is None
+    for changed in ("decode.tune_prompts=2", "decode.tune_max_new_tokens=8", "decode.tune_sweeps=2",
+                    "eval.datasets=[humaneval]", "decode.tree.total_tokens=6"):
+        assert reusable_tuning(load_config(TINY, [*same, changed]), draft_dir) is None, changed
