@@ -2,7 +2,7 @@
 # The long-budget GRIFFIN draft that drafts/<target>/griffin ships: featurize -> train (all stages)
 # -> register -> tune-tree -> evaluate (T=0 and T=1, the first $QUESTIONS (default 8) MT-Bench and HumanEval
 # questions, vs vanilla and HF generate) ->
-# griffin ship. Every step resumes or is skipped when done, so rerunning after a kill continues;
+# griffin ship (with a draft already shipped, only when SHIP=1). Every step resumes or is skipped when done, so rerunning after a kill continues;
 # run it in the background: `nohup benchmarks/long_draft.sh > outputs/long_draft.log 2>&1 &`.
 #   benchmarks/long_draft.sh [config-name] [extra overrides...]
 set -euo pipefail
@@ -24,4 +24,11 @@ TUNE=$RUN/tune_tree/tune_tree.json
 read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(open('$TUNE'))['overrides']))")
 $G eval -c "$CFG" "${TREE[@]}" "${EVAL[@]}" --draft "models:/$MODEL@candidate" "$@"
 $G register -c "$CFG" --promote "$@"
+# A shipped draft is replaced only by a better one: with one in place, measure first
+# (benchmarks/vs_shipped.sh <config-name> <out-name>) and ship with SHIP=1.
+SHIPPED=drafts/$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').target_slug)")/griffin
+if [ -d "$SHIPPED" ] && [ "${SHIP:-0}" != 1 ]; then
+  echo "not shipped: $SHIPPED already holds a draft; compare with benchmarks/vs_shipped.sh $NAME, then rerun with SHIP=1"
+  exit 0
+fi
 $G ship -c "$CFG" --source "models:/$MODEL@candidate" --report "$RUN/eval/report.json" "$@"

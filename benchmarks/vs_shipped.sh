@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A candidate GRIFFIN draft against the shipped one, the test a draft passes before it replaces
+# drafts/<target>/griffin:
+# - train: the config's featurize and training (both resume or skip when done);
+# - held out: both drafts scored on the config's store's held-out rows (the candidate never trained
+#   on them; neither did the shipped draft when the store is its own or holds conversations it never saw);
+# - decoded: both drafts interleaved per question in one evaluation, with the shipped draft's tree
+#   (its card's), the first $QUESTIONS (default 6) MT-Bench (both turns) and HumanEval questions,
+#   128 new tokens, T=0 and T=1, vs vanilla and HF generate.
+# It ships the candidate (griffin ship) only when SHIP=1: decide from the numbers first.
+#   benchmarks/vs_shipped.sh [config-name] [out-name]
+#   nohup benchmarks/vs_shipped.sh smollm2-longer longer_draft > outputs/longer_draft.log 2>&1 &
+#   QUESTIONS=20 nohup benchmarks/vs_shipped.sh smollm2-long long_lr1e-3 > outputs/long_lr1e-3_ab.log 2>&1 &
+# Results: benchmarks/<out-name>.{json,md} (held out), benchmarks/<out-name>/ (the evaluation's report).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NAME=${1:-smollm2-longer}
+OUT=${2:-longer_draft}
+CFG=jobs/configs/$NAME.yaml
+G=.venv/bin/griffin
+SHIPPED=drafts/smollm2-135m-instruct/griffin
+RUN=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').run_dir)")
+STORE=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').store_path)")
+NEW=$RUN/train/stage3/best
+
+$G featurize -c "$CFG"
+$G train -c "$CFG"
+[ -f "benchmarks/$OUT.json" ] || .venv/bin/python benchmarks/heldout_score.py --starts all --store "$STORE" \
+  --out "$OUT" shipped="$SHIPPED" "$NAME=$NEW"
+TREE=$(.venv/bin/python -c "import json; t = json.load(open('$SHIPPED/card.json'))['tree']; print('{' + ', '.join(f'{k}: {v}' for k, v in t.items()) + '}')")
+[ -f "$RUN/eval/report.json" ] || $G eval -c "$CFG" --draft "$NEW" "eval.tree=$TREE" "eval.extra_drafts={shipped: $SHIPPED}" \
+  "eval.num_questions=${QUESTIONS:-6}" "eval.temperatures=[0, 1]" "eval.max_new_tokens=128" \
+  "eval.baselines=[vanilla, hf_generate]"
+mkdir -p "benchmarks/$OUT"
+cp "$RUN"/eval/{report.md,report.json,tau.png,speedup.png} "benchmarks/$OUT/"
+if [ "${SHIP:-0}" = 1 ]; then
+  $G register -c "$CFG" --checkpoint "$NEW"
+  $G ship -c "$CFG" --source "$NEW" --report "$RUN/eval/report.json"
+fi
