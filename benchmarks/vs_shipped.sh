@@ -2,8 +2,9 @@
 # A candidate GRIFFIN draft against the shipped one, the test a draft passes before it replaces
 # drafts/<target>/griffin:
 # - train: the config's featurize and training (both resume or skip when done);
-# - held out: both drafts scored on the config's store's held-out rows (the candidate never trained
-#   on them; neither did the shipped draft when the store is its own or holds conversations it never saw);
+# - held out: both drafts scored on the held-out rows of $HELDOUT_STORE (default: the config's store).
+#   Neither draft may have trained on them. Rows from the candidate's own new conversations flatter it
+#   (RESULTS.md, the top-k section): for such a candidate, pass a store that neither draft's data is near;
 # - decoded: both drafts interleaved per question in one evaluation, with the shipped draft's tree
 #   (its card's), the first $QUESTIONS (default 6) MT-Bench (both turns) and HumanEval questions,
 #   128 new tokens, T=0 and T=1, vs vanilla and HF generate.
@@ -20,7 +21,7 @@ CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
 SHIPPED=drafts/smollm2-135m-instruct/griffin
 RUN=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').run_dir)")
-STORE=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').store_path)")
+STORE=${HELDOUT_STORE:-$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').store_path)")}
 NEW=$RUN/train/stage3/best
 
 $G featurize -c "$CFG"
