@@ -61,14 +61,15 @@ def heldout_batches(store: str, cfg, hidden_size: int, device, first_only: bool)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", help="feature store (default: smollm2-long's)")
+    parser.add_argument("--config", default=str(CONFIG), help="the target's config (default: smollm2-long's)")
+    parser.add_argument("--store", help="feature store (default: the config's)")
     parser.add_argument("--starts", choices=("first", "all"), default="first")
     parser.add_argument("--top-k", type=int, nargs="+", default=[1], help="accept within the draft's k best")
     parser.add_argument("--out", default="first_draft", help="benchmarks/<out>.{json,md}")
     parser.add_argument("drafts", nargs="+", metavar="NAME=DRAFT_DIR")
     args = parser.parse_args()
     drafts = dict(arg.split("=", 1) for arg in args.drafts)
-    cfg = load_config(CONFIG)
+    cfg = load_config(args.config)
     store = args.store or cfg.store_path
     target = load_target(cfg.target)
     device, head = target.device, target.head_weight
@@ -84,8 +85,9 @@ def main() -> None:
         for k in args.top_k:
             counts = sum(acceptance_counts(draft, b, STEPS, bf16=bf16, teacher=t, top_k=k)
                          for b, t in zip(batches, teachers))
-            results[name if k == 1 else f"{name} top-{k}"] = {"draft": path, "top_k": k, **acceptance_metrics(counts)}
-            print(name, k, {m: round(v, 4) for m, v in acceptance_metrics(counts).items()}, flush=True)
+            metrics = acceptance_metrics(counts)
+            results[name if k == 1 else f"{name} top-{k}"] = {"draft": path, "top_k": k, **metrics}
+            print(name, k, {m: round(v, 4) for m, v in metrics.items()}, flush=True)
     out = Path(__file__).parent
     (out / f"{args.out}.json").write_text(json.dumps({"store": store, "starts": args.starts, "steps": STEPS,
                                                       "top_k": args.top_k, "results": results}, indent=2))

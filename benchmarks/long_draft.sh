@@ -22,13 +22,13 @@ $G register -c "$CFG" "$@"
 TUNE=$RUN/tune_tree/tune_tree.json
 [ -f "$TUNE" ] || $G tune-tree -c "$CFG" --prompts 3 --max-new-tokens 48 --draft "models:/$MODEL@candidate" "$@"
 read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(open('$TUNE'))['overrides']))")
-$G eval -c "$CFG" "${TREE[@]}" "${EVAL[@]}" --draft "models:/$MODEL@candidate" "$@"
+[ -f "$RUN/eval/report.json" ] || $G eval -c "$CFG" "${TREE[@]}" "${EVAL[@]}" --draft "models:/$MODEL@candidate" "$@"
 $G register -c "$CFG" --promote "$@"
 # A shipped draft is replaced only by a better one: with one in place, measure first
-# (benchmarks/vs_shipped.sh <config-name> <out-name>) and ship with SHIP=1.
+# (benchmarks/vs_shipped.sh <config-name> <out-name>), then ship with SHIP=1 here or there.
 SHIPPED=drafts/$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').target_slug)")/griffin
 if [ -d "$SHIPPED" ] && [ "${SHIP:-0}" != 1 ]; then
-  echo "not shipped: $SHIPPED already holds a draft; compare with benchmarks/vs_shipped.sh $NAME, then rerun with SHIP=1"
+  echo "not shipped: $SHIPPED already holds a draft; compare with benchmarks/vs_shipped.sh $NAME <out-name>, then rerun with SHIP=1"
   exit 0
 fi
 $G ship -c "$CFG" --source "models:/$MODEL@candidate" --report "$RUN/eval/report.json" "$@"

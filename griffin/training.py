@@ -109,7 +109,10 @@ def acceptance_counts(
     for k in range(steps):
         with autocast(batch.features.device, bf16):
             P, R = draft(streams, batch.tokens, batch.attention_mask)  # pass k+1: (B, T, D)
-            guesses = draft.to_target_ids(draft.logits(P).topk(top_k, dim=-1).indices)  # (B, T, k) target ids
+            logits = draft.logits(P)  # (B, T, V_draft)
+            # top_k = 1 by argmax, whose tie-breaking the greedy decoder shares (topk's is unspecified)
+            best = logits.argmax(-1, keepdim=True) if top_k == 1 else logits.topk(top_k, dim=-1).indices
+            guesses = draft.to_target_ids(best)  # (B, T, k) target ids
         accepted = reach & (guesses == teacher.unsqueeze(-1)).any(-1)
         counts[0, k], counts[1, k] = accepted.sum(), reach.sum()
         # step k+1 at position r continues the chain that was accepted at r-1 on greedy data
