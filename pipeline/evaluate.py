@@ -3,7 +3,8 @@
 ``run_eval(cfg, draft=None) -> summary`` writes ``<run_dir>/eval/`` (report.json, report.md,
 generations.jsonl, tau.png, speedup.png, acceptance_histogram.png) and logs it to MLflow, tagged with
 the draft's registered model version. While it runs, ``eval/unfinished.jsonl`` holds the finished
-questions, so a killed evaluation resumes (``EvalLedger``). Protocol and metric definitions:
+questions, so a killed evaluation resumes (``EvalLedger``); ``eval/finished.json``, written last, lets
+``griffin run`` reuse a completed one with the same key (``eval_key``). Protocol and metric definitions:
 ``pipeline.report.DEFINITIONS`` (docs/design.md §8, docs/method.md §6): every question turn goes
 through every method back to back (GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF
 ``generate``, HF prompt lookup, HF assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
@@ -27,14 +28,15 @@ from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from griffin.weights import tensors_sha256
 from pipeline.config import RunConfig, TargetSection
-from pipeline.console import Progress
+from pipeline.console import Progress, say
 from pipeline.resources import draft_for_run, load_draft, load_questions, load_target, target_fingerprint
 from pipeline.openai_api import completion_text, render_chat
-from pipeline.report import log_report, summarize, write_reports
+from pipeline.report import log_report, machine_identity, summarize, write_reports
 
 logger = logging.getLogger(__name__)
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
+FINISHED = "finished.json"  # {"key", "summary"} of the last completed evaluation in eval/
 
 
 @dataclass
@@ -115,20 +117,27 @@ def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
     return run
 
 
-def build_methods(cfg: RunConfig, target: Any, draft: Any,
-                  draft_uri: str | None) -> tuple[dict[str, Method], dict[str, Any], bool]:
-    """Methods in report order, the draft model of each speculative method, and whether this call
-    started Serve (through_serve with none running)."""
-    evaluation, started, drafts = cfg.eval, False, {"griffin": draft}
+def load_drafts(cfg: RunConfig, target: Any, draft: Any) -> dict[str, Any]:
+    """The draft model of each speculative method: ``griffin`` and every ``eval.extra_drafts`` label."""
+    drafts = {"griffin": draft}
+    for label, uri in cfg.eval.extra_drafts.items():
+        if label in ("griffin", "vanilla") or label.startswith("hf_"):
+            raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
+        drafts[label] = load_draft(uri, target, cfg)
+    return drafts
+
+
+def build_methods(cfg: RunConfig, target: Any, drafts: dict[str, Any],
+                  draft_uri: str | None) -> tuple[dict[str, Method], bool]:
+    """Methods in report order, and whether this call started Serve (through_serve with none running)."""
+    evaluation, started = cfg.eval, False
     if evaluation.through_serve:
         methods, started = _endpoint_methods(cfg, draft_uri)
     else:
-        methods = {"griffin": local_decoder(target, draft, cfg.eval_tree), "vanilla": local_decoder(target)}
-    for label, uri in evaluation.extra_drafts.items():
-        if label in methods or label.startswith("hf_"):
-            raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
-        drafts[label] = load_draft(uri, target, cfg)
-        methods[label] = local_decoder(target, drafts[label], cfg.eval_tree)
+        methods = {"griffin": local_decoder(target, drafts["griffin"], cfg.eval_tree), "vanilla": local_decoder(target)}
+    for label, draft in drafts.items():
+        if label != "griffin":
+            methods[label] = local_decoder(target, draft, cfg.eval_tree)
     stock = _stock(cfg, target) if any(b.startswith("hf_") for b in evaluation.baselines) else target
     if "hf_generate" in evaluation.baselines:
         methods["hf_generate"] = hf_decoder(stock)
@@ -136,7 +145,7 @@ def build_methods(cfg: RunConfig, target: Any, draft: Any,
         methods["hf_prompt_lookup"] = hf_decoder(stock, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
     if "hf_assisted" in evaluation.baselines:
         methods["hf_assisted"] = hf_decoder(stock, assistant_model=_assistant(cfg, target).model)
-    return methods, drafts, started
+    return methods, started
 
 
 def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
@@ -282,11 +291,20 @@ def _json_or_none(line: str) -> Any:
 
 
 def eval_key(cfg: RunConfig, target: Any, drafts: dict[str, Any]) -> str:
-    """What decides an evaluation's results: the whole config, the target's weights and every draft's
-    weights (an alias such as @candidate may point at new weights between two runs)."""
+    """What decides an evaluation's results: the whole config, the target's weights, every draft's
+    weights (an alias such as @candidate may point at new weights between two runs) and the machine
+    (the speeds are this machine's)."""
     identity = {"config": cfg.model_dump(mode="json"), "target": target_fingerprint(target)["target_weights_sha256"],
-                "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()}}
+                "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()},
+                "machine": machine_identity()}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def finished_summary(eval_dir: Path, key: str) -> dict[str, Any] | None:
+    """The summary of a finished evaluation in ``eval_dir`` with this ``key``, else None."""
+    marker = eval_dir / FINISHED
+    data = _json_or_none(marker.read_text()) if marker.is_file() else None
+    return data["summary"] if isinstance(data, dict) and data.get("key") == key else None
 
 
 NEAR_TIE_LOGITS = 0.25  # two bf16 rounding steps of a logit of magnitude 16-32
@@ -326,13 +344,21 @@ def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig) -> None:
         method(messages, prompt_ids, cfg.sampling(0.0), min(WARMUP_TOKENS, cfg.eval.max_new_tokens), cfg.eval.seed)
 
 
-def run_eval(cfg: RunConfig, draft: Any = None) -> dict[str, Any]:
-    """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary."""
+def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) -> dict[str, Any]:
+    """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary.
+    With ``reuse_finished`` (``griffin run``), a finished evaluation with the same key is not redone."""
     target = load_target(cfg.target, decoding=True)
     questions = {name: load_questions(name, cfg.eval.num_questions) for name in cfg.eval.datasets}
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
-    methods, drafts, started = build_methods(cfg, target, draft_model, draft_uri)
-    ledger = EvalLedger(cfg.run_dir / "eval" / "unfinished.jsonl", eval_key(cfg, target, drafts))
+    drafts = load_drafts(cfg, target, draft_model)
+    eval_dir, key = cfg.run_dir / "eval", eval_key(cfg, target, drafts)
+    finished = finished_summary(eval_dir, key) if reuse_finished else None
+    if finished is not None:
+        say(f"evaluation of {draft_uri} with these settings already in {eval_dir}: reused")
+        return finished
+    (eval_dir / FINISHED).unlink(missing_ok=True)  # the reports below are about to be replaced
+    methods, started = build_methods(cfg, target, drafts, draft_uri)
+    ledger = EvalLedger(eval_dir / "unfinished.jsonl", key)
     turns = sum(len(q["turns"]) for items in questions.values() for q in items) * len(cfg.eval.temperatures)
     progress = Progress("evaluate", turns, f"question turns x {len(methods)} methods")
     if ledger.resumed:
@@ -348,8 +374,12 @@ def run_eval(cfg: RunConfig, draft: Any = None) -> dict[str, Any]:
             stop_serve()
     report = summarize(records, list(methods), cfg, target, draft_uri)
     report["summary"]["resumed_questions"] = ledger.resumed
-    eval_dir = write_reports(cfg.run_dir / "eval", report, records)
+    write_reports(eval_dir, report, records)
     ledger.remove()
     report["summary"]["mlflow_run_id"] = log_report(cfg, report, eval_dir, draft_uri)
+    # written last, atomically: a kill before this line leaves no finished evaluation to reuse
+    tmp = eval_dir / f"{FINISHED}.tmp"
+    tmp.write_text(json.dumps({"key": key, "summary": report["summary"]}, default=str))
+    os.replace(tmp, eval_dir / FINISHED)
     progress.close(f"report {eval_dir / 'report.md'}")
     return report["summary"]

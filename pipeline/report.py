@@ -89,10 +89,26 @@ def violations(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def hardware() -> dict[str, Any]:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def machine_identity() -> dict[str, Any]:
+    """What of ``hardware()`` decides a speed measurement: two machines that agree on it run the same
+    kernels on the same cores (the vector ISA matters: one "AMD EPYC" has AVX-512 BF16, another AVX2)."""
+    keys = ("processor", "cpu_model", "cpu_capability", "cpu_count", "torch_threads", "gpu", "torch")
+    return {key: value for key, value in hardware().items() if key in keys}
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, target: Any, draft_uri: str | None):

@@ -6,7 +6,8 @@ when ``data.source`` is ``regenerated``; ``tune-tree`` when ``decode.tune`` is s
 evaluation then decodes with the tree it picked. Every stage resumes instead of redoing: the
 regenerated set and the store skip done sample ids, training skips completed stages and resumes an
 interrupted one from its checkpoint, registration is idempotent on the weights' hash, a tuned tree
-of the same draft is reused, and so is the evaluation report of the same model version and tree.
+of the same draft, settings and machine is reused, and so is a finished evaluation of the same config,
+weights and machine.
 """
 
 from __future__ import annotations
@@ -31,15 +32,6 @@ class Banners:
     def __call__(self, name: str) -> None:
         index = self.steps.index(name)
         say(f"=== [{index + 1}/{len(self.steps)}] {name}  (t+{time.time() - self.started:.0f}s) ===")
-
-
-def _cached_eval(cfg: RunConfig, model_uri: str) -> dict[str, Any] | None:
-    report = cfg.run_dir / "eval" / "report.json"
-    if report.is_file():
-        data = json.loads(report.read_text())
-        if data.get("draft") == model_uri and data.get("tree") == cfg.eval_tree.model_dump():
-            return data["summary"]
-    return None
 
 
 def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
@@ -103,11 +95,7 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
         banner("tune-tree")
         cfg = _tuned(cfg, version["model_uri"])
     banner("evaluate")
-    summary = _cached_eval(cfg, version["model_uri"])
-    if summary is None:
-        summary = run_eval(cfg, draft=version["model_uri"])
-    else:
-        say(f"evaluation of {version['model_uri']} already in {cfg.run_dir / 'eval'}: reused")
+    summary = run_eval(cfg, draft=version["model_uri"], reuse_finished=True)
     banner("promote")
     promotion = promote(cfg, version["version"])
     say(f"promotion: {'champion' if promotion['promoted'] else 'not promoted'} ({promotion['reason']})")

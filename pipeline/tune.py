@@ -137,12 +137,11 @@ def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torc
 def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: int) -> dict[str, Any]:
     """What a tuning's answer depends on: the draft, the target and its dtype, the calibration, the
     search and the machine (a verify that is cheap on one CPU or GPU is dear on another)."""
-    from pipeline.report import hardware
+    from pipeline.report import machine_identity
 
-    machine = {k: v for k, v in hardware().items() if k in ("processor", "cpu_count", "torch_threads", "gpu")}
     return {"draft": draft_uri, "target": cfg.target.model_dump(mode="json"), "datasets": list(cfg.eval.datasets),
             "prompts": prompts, "max_new_tokens": max_new_tokens, "sweeps": cfg.decode.tune_sweeps,
-            "start": cfg.eval_tree.model_dump(), "machine": machine}
+            "start": cfg.eval_tree.model_dump(), "machine": machine_identity()}
 
 
 def reusable_tuning(cfg: RunConfig, draft_uri: str) -> dict[str, Any] | None:
@@ -183,10 +182,9 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
     best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
     vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
-    result = {"draft": draft_uri, "target": target.name, "prepacked": target.packed,
-              "settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
-              "calibration": {"prompts": len(calibration), "max_new_tokens": max_new_tokens},
-              "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla, "start": cfg.eval_tree.model_dump(),
+    result = {"settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
+              "target": target.name, "prepacked": target.packed,
+              "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla,
               "best": asdict(best), "expected_speedup": best.tokens_per_s / vanilla,
               "candidates": [asdict(c) for c in ranked],
               "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")]}
@@ -210,9 +208,10 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
     (out / "tune_tree.json").write_text(json.dumps(result, indent=2))
     curve = result["verify_ms_by_tokens"]
     step = curve[1] if 1 in curve else curve[min(curve)]
-    lines = [f"# Tree budget for {result['target']} with draft {result['draft']}", "",
+    settings = result["settings"]
+    lines = [f"# Tree budget for {result['target']} with draft {settings['draft']}", "",
              f"Vanilla decoding: {result['vanilla_tokens_per_s']:.1f} tokens/s. Calibration: "
-             f"{result['calibration']['prompts']} prompts x {result['calibration']['max_new_tokens']} tokens at T=0.", "",
+             f"{settings['prompts']} prompts x {settings['max_new_tokens']} tokens at T=0.", "",
              "| tree tokens N | verify ms | / one decode step |", "| ---: | ---: | ---: |"]
     lines += [f"| {n} | {ms:.1f} | {ms / step:.2f}x |" for n, ms in curve.items()]
     lines += ["", "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",

@@ -129,3 +129,37 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
     other.add("three", 0, 0, finished)
     assert evaluate.EvalLedger(ledger, "a third key").resumed == 0
     assert evaluate.EvalLedger(ledger, "a third key").get("three", 0, 0) is None
+
+
+def test_griffin_run_reuses_a_finished_eval_only_with_the_same_settings(tmp_path, monkeypatch):
+    """`griffin run` (reuse_finished) takes a finished evaluation's summary instead of decoding again,
+    but only for the same config, weights and machine; `griffin eval` always measures afresh."""
+    from pipeline import evaluate
+
+    questions = tmp_path / "one.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[2]) + "\n")
+    same = [f"output_dir={tmp_path}", f"eval.datasets=[{questions}]", "eval.temperatures=[0]", "eval.num_questions=1",
+            "eval.max_new_tokens=6", "eval.baselines=[vanilla]", "eval.through_serve=false"]
+    cfg = load_config(TINY, same)
+    target = load_target(cfg.target)
+    torch.manual_seed(0)
+    draft_dir = str(save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target))
+    real, calls = evaluate.speculative_generate, []
+    monkeypatch.setattr(evaluate, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    first = run_eval(cfg, draft=draft_dir, reuse_finished=True)  # nothing finished yet: measured
+    assert len(calls) == 2  # the warm-up and the question
+    calls.clear()
+    assert run_eval(cfg, draft=draft_dir, reuse_finished=True) == json.loads(json.dumps(first, default=str))
+    assert calls == []
+    for changed in ("eval.max_new_tokens=5", "decode.tree.total_tokens=6", "eval.seed=1"):
+        calls.clear()
+        run_eval(load_config(TINY, [*same, changed]), draft=draft_dir, reuse_finished=True)
+        assert len(calls) == 2, changed
+    calls.clear()
+    run_eval(cfg, draft=draft_dir)  # `griffin eval`: measured again even with the same settings
+    assert len(calls) == 2
+    monkeypatch.setattr(evaluate, "machine_identity", lambda: {"processor": "another machine"})
+    calls.clear()
+    run_eval(cfg, draft=draft_dir, reuse_finished=True)
+    assert len(calls) == 2

@@ -52,7 +52,7 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     best = report["best"]
     assert best == max(report["candidates"], key=lambda c: c["tokens_per_s"])
     TreeConfig(total_tokens=best["total_tokens"], depth=best["depth"], top_k=best["top_k"])  # a valid tree
-    assert report["calibration"]["prompts"] == 2 and len(report["verify_ms_by_tokens"]) == 11
+    assert report["settings"]["prompts"] == 2 and len(report["verify_ms_by_tokens"]) == 11
     assert (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.png").stat().st_size > 0
 
 
