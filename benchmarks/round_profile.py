@@ -7,7 +7,10 @@ splits the wall time of the rounds by the named ranges the decode loop records
 target's verify forward. Writes benchmarks/round_profile.json and round_profile.md.
 
     python benchmarks/round_profile.py --draft outputs/smollm2-full-griffin/train/best \
-        [--tree 16,5,4] [--prompts 4] [--new 64]
+        [--tree 16,5,4] [--prompts 4] [--new 64] [--dtype auto|bfloat16|float32]
+
+``--dtype auto`` (the default) is what ``target.dtype: auto`` picks here: bf16 where the CPU runs it
+natively, fp32 elsewhere. The files are named by dtype: round_profile[-fp32].{json,md}.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ def main() -> None:
     parser.add_argument("--tree", default="16,5,4", help="total_tokens,depth,top_k")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     args = parser.parse_args()
     total, depth, top_k = (int(x) for x in args.tree.split(","))
     tree = TreeConfig(total_tokens=total, depth=depth, top_k=top_k)
-    target = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
+    target = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype=args.dtype)
+    stem = "round_profile" if target.dtype == torch.bfloat16 else "round_profile-fp32"
     packed = target.prepack()
     draft = load_draft(args.draft, target, load_config("jobs/configs/smollm2-quick.yaml"))  # packed like the target
     questions = [q["turns"][0] for q in load_questions("mt_bench")[-args.prompts:]]
@@ -62,11 +67,12 @@ def main() -> None:
             per_range[event.key] += event.cpu_time_total / 1e3  # ms
     ops = sorted(((e.key, e.self_cpu_time_total / 1e3) for e in prof.key_averages() if not e.key.startswith("griffin.")),
                  key=lambda x: -x[1])[:12]
-    result = {"tree": tree.model_dump(), "prepacked": packed, "rounds": rounds, "round_ms": 1e3 * wall / rounds,
+    result = {"tree": tree.model_dump(), "dtype": str(target.dtype), "prepacked": packed, "rounds": rounds,
+              "round_ms": 1e3 * wall / rounds,
               "ms_per_round": {k: per_range[k] / rounds for k in RANGES},
               "top_self_ops_ms_per_round": {k: v / rounds for k, v in ops}}
-    (OUT / "round_profile.json").write_text(json.dumps(result, indent=2))
-    lines = [f"Tree {total}/{depth}/{top_k}, {rounds} rounds over {args.prompts} MT-Bench prompts, "
+    (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    lines = [f"{target.dtype}, tree {total}/{depth}/{top_k}, {rounds} rounds over {args.prompts} MT-Bench prompts, "
              f"{result['round_ms']:.1f} ms per round (timed, profiler on).", "",
              "| range | ms per round | share of the round |", "|---|---|---|"]
     for key in RANGES:
@@ -74,7 +80,7 @@ def main() -> None:
         lines.append(f"| {key} | {ms:.2f} | {ms / result['round_ms']:.0%} |")
     lines += ["", "| aten op (self time, whole round) | ms per round |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in result["top_self_ops_ms_per_round"].items()]
-    (OUT / "round_profile.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

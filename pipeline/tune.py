@@ -6,12 +6,14 @@ halves of the trade-off, in one process:
 - the target's verify cost curve: one verify forward of N tree tokens after a fixed prefix, for every
   N of the grid, interleaved over repetitions (medians): the hardware fact that makes wide trees
   expensive on a CPU (compute-bound) and nearly free on a GPU (bandwidth-bound);
-- per candidate tree (total_tokens, depth, top_k): speculative decoding of calibration prompts at
-  T=0 gives tau (deterministic counts, no timing noise) and the median draft and verify seconds of a
-  round (medians over every round resist the noise of a shared machine).
+- per candidate tree (total_tokens, depth, top_k): tau at T=0 over every calibration prompt, replayed
+  with the draft alone from each prompt's greedy continuation (``griffin.replay``: the rounds the
+  decoder would run, at a tenth of their cost), and the median draft and verify seconds of a round
+  from real speculative decoding of the first prompt (medians over its rounds resist the noise of a
+  shared machine; the draft is timed between real verify passes, as it runs when serving).
 
 Expected tokens/s = tau / (median draft + median verify seconds per round); prefill is the same for
-every candidate and left out. A coordinate search starts at the evaluation tree (``eval.tree`` or
+every candidate and left out. Vanilla tokens/s comes from the decodes that made the continuations. A coordinate search starts at the evaluation tree (``eval.tree`` or
 ``decode.tree``) and sweeps total_tokens, depth and top_k ``decode.tune_sweeps`` times (default
 twice). The calibration prompts are the *last* questions of ``eval.datasets``; the evaluation takes
 the first ones, so it never scores the tree on the prompts that picked it.
@@ -29,7 +31,8 @@ from typing import Any, Callable
 import torch
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import device_time, speculative_generate, vanilla_generate
+from griffin.decode import device_time, speculative_generate
+from griffin.replay import GreedyReference, greedy_reference, replay_greedy
 from pipeline import console
 from pipeline.config import RunConfig
 
@@ -76,26 +79,14 @@ def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> 
     return {n: 1e3 * median(values) for n, values in timings.items()}
 
 
-def measure_tree(target: Any, draft: Any, prompts: list[torch.Tensor], tree: TreeConfig, max_new: int) -> Candidate:
-    accepted: list[int] = []
-    rounds: list[tuple[float, float]] = []
-    for ids in prompts:
-        stats = speculative_generate(target, draft, ids, tree, GREEDY, max_new).stats
-        accepted += stats.accepted_per_round
-        rounds += stats.round_seconds
+def measure_tree(target: Any, draft: Any, references: list[GreedyReference], tree: TreeConfig, max_new: int) -> Candidate:
+    """tau replayed over every reference; round costs from decoding the first one for real."""
+    accepted = [a for reference in references for a in replay_greedy(draft, reference, tree).accepted_per_round]
     tau = (sum(accepted) + len(accepted)) / len(accepted)
+    rounds = speculative_generate(target, draft, references[0].input_ids, tree, GREEDY, max_new).stats.round_seconds
     draft_s, verify_s = median(d for d, _ in rounds), median(v for _, v in rounds)
     return Candidate(tree.total_tokens, tree.depth, tree.top_k, tau, 1e3 * draft_s, 1e3 * verify_s,
                      tau / (draft_s + verify_s))
-
-
-def vanilla_tokens_per_s(target: Any, prompts: list[torch.Tensor], max_new: int) -> float:
-    """1 / the median single-token step of vanilla decoding on the same prompts."""
-    steps = []
-    for ids in prompts:
-        stats = vanilla_generate(target, ids, GREEDY, max_new).stats
-        steps.append(stats.verify_time / max(stats.rounds, 1))
-    return 1.0 / median(steps)
 
 
 def coordinate_search(score: Callable[[TreeConfig], Candidate], start: TreeConfig, sweeps: int = 2,
@@ -171,17 +162,19 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
     curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
     speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
+    references = [greedy_reference(target, ids, max_new_tokens, max(DEPTHS), draft_model.cfg.feature_layers)
+                  for ids in calibration]  # (the lookahead covers the deepest tree of the search)
+    vanilla = 1.0 / median(reference.vanilla_step_seconds for reference in references)
     sweeps = cfg.decode.tune_sweeps
     progress = console.Progress("tune-tree", sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
 
     def score(tree: TreeConfig) -> Candidate:
-        candidate = measure_tree(target, draft_model, calibration, tree, max_new_tokens)
+        candidate = measure_tree(target, draft_model, references, tree, max_new_tokens)
         progress.update(progress.done + 1, f"last τ {candidate.tau:.2f}")
         return candidate
 
     best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
-    vanilla = vanilla_tokens_per_s(target, calibration, max_new_tokens)
     result = {"settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
               "target": target.name, "prepacked": target.packed,
               "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla,

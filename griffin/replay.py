@@ -1,0 +1,105 @@
+"""T=0 speculative decoding replayed with the draft alone, from the target's greedy continuation.
+
+At T=0 a verify pass accepts exactly the longest tree path that spells the target's greedy
+continuation (``griffin.sampling.verify_greedy``), and what it commits is that continuation. So one
+vanilla decode of a prompt and one target forward over it give everything a round needs: the
+target's next tokens and its features at every committed position. Replaying the rounds then runs
+only the draft: the same trees and the same accepted lengths as ``speculative_generate`` (up to float
+noise in near-tied draft scores), at a tenth of a round's cost on a CPU. ``griffin tune-tree``
+scores trees' τ this way on more prompts than it could decode.
+
+Shape legend: T prompt tokens, L continuation tokens, D_f feature width.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import vanilla_generate
+from griffin.model import GriffinDraft, KVCache
+from griffin.target import TargetAdapter
+from griffin.tree import DraftTree, draft_tree
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@dataclass
+class GreedyReference:
+    """A prompt's greedy continuation and the target's features over prompt + continuation."""
+
+    input_ids: Tensor  # (1, T)
+    continuation: list[int]  # (L_ext,) greedy tokens, decoded on past a stop token by ``lookahead``
+    length: int  # tokens vanilla decoding returns: up to the first stop token, at most max_new_tokens
+    features: Tensor  # (1, T + L_ext - 1, D_f) the target's features at every position but the last
+    vanilla_step_seconds: float  # median single-token step of the decode that produced it
+
+
+@torch.inference_mode()
+def greedy_reference(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int, lookahead: int,
+                     feature_layers: tuple[int, ...] | None = None,
+                     stop_token_ids: list[int] | None = None) -> GreedyReference:
+    """Decode ``max_new_tokens + lookahead`` greedy tokens ignoring stop tokens (a last round may
+    accept draft tokens past the length limit or a stop token; a lookahead of the tree's depth lets a
+    replay count them as the decoder does), then run the target once over the whole sequence for its
+    features. ``stop_token_ids`` (default: the target's) end the decode the replay reproduces."""
+    result = vanilla_generate(target, input_ids, GREEDY, max_new_tokens + lookahead, stop_token_ids=[])
+    continuation = result.tokens
+    stops = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    length = next((i + 1 for i, token in enumerate(continuation[:max_new_tokens]) if token in stops),
+                  min(max_new_tokens, len(continuation)))
+    sequence = torch.cat([input_ids.to(target.device), torch.tensor([continuation[:-1]], device=target.device)], dim=1)
+    features, _ = target.forward(sequence, target.new_cache(sequence.shape[1]), all_logits=False,
+                                 feature_layers=feature_layers)  # (1, T + L_ext - 1, D_f)
+    step = result.stats.verify_time / max(result.stats.rounds, 1)
+    return GreedyReference(input_ids, continuation, length, features, step)
+
+
+@dataclass
+class Replay:
+    accepted_per_round: list[int] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)  # one per round
+
+    @property
+    def tau(self) -> float:
+        rounds = len(self.accepted_per_round)
+        return (sum(self.accepted_per_round) + rounds) / rounds if rounds else 0.0
+
+
+def accepted_along(tree: DraftTree, upcoming: list[int]) -> int:
+    """Draft tokens a T=0 verify accepts when the target's greedy tokens after the root are ``upcoming``."""
+    tokens, node, depth = tree.tokens.tolist(), 0, 0
+    while depth < len(upcoming):
+        node = next((c for c in tree.children[node] if tokens[c] == upcoming[depth]), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+@torch.inference_mode()
+def replay_greedy(draft: GriffinDraft, reference: GreedyReference, tree: TreeConfig) -> Replay:
+    """The rounds ``speculative_generate`` would run at T=0 on ``reference``'s prompt, draft only."""
+    prompt, continuation, features = reference.input_ids, reference.continuation, reference.features
+    T, device, replay = prompt.shape[1], features.device, Replay()
+    cache = KVCache.allocate(draft.cfg, T + len(continuation) + (tree.depth - 1) * tree.top_k + 1,
+                             device=device, dtype=draft.param_dtype)
+    # as after prefill: pairs (f_p, x_{p+1}) of the prompt, the last one ending in the root
+    new_features = features[:, :T]  # (1, T, D_f)
+    new_tokens = torch.cat([prompt[0, 1:].to(device), torch.tensor(continuation[:1], device=device)])  # (T,)
+    done = 1  # continuation tokens committed; continuation[done - 1] is the root
+    while done < reference.length:
+        start = time.perf_counter()
+        nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree)
+        replay.draft_seconds.append(time.perf_counter() - start)
+        accepted = accepted_along(nodes, continuation[done:done + tree.depth])
+        replay.accepted_per_round.append(accepted)
+        # committed: the accepted tokens and the target's next one; features at the root and accepted nodes
+        new_features = features[:, T + done - 1:T + done + accepted]  # (1, A+1, D_f)
+        new_tokens = torch.tensor(continuation[done:done + accepted + 1], device=device)  # (A+1,)
+        done += accepted + 1
+    return replay
