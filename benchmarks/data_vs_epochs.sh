@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.venv/bin/griffin
-store_of() { .venv/bin/python -c "from pipeline.config import load_config; print(load_config('jobs/configs/$1.yaml').store_path)"; }
+source benchmarks/lib.sh
+store_of() { config_value "jobs/configs/$1.yaml" c.store_path; }
 SWEEP_STORE=$(store_of smollm2-sweep)
 NEW_STORE=$(store_of smollm2-longer)
 $G featurize -c jobs/configs/smollm2-longer.yaml

@@ -16,9 +16,10 @@ NAME=${1:-smollm2-full}
 PHASE=${2:-all}
 CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
-TARGET=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').target_slug)")
-STEPS=$(.venv/bin/python -c "from pipeline.config import load_config; print(sum(s.steps for s in load_config('$CFG').train.schedule))")
-LR1=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').train.schedule[0].lr)")
+source benchmarks/lib.sh
+TARGET=$(config_value "$CFG" c.target_slug)
+STEPS=$(config_value "$CFG" "sum(s.steps for s in c.train.schedule)")
+LR1=$(config_value "$CFG" "c.train.schedule[0].lr")
 GRIFFIN=()
 HASS=(run_name=$NAME-hass draft.variant=hass registry.model_name=$TARGET-hass)
 # EAGLE-2's draft is stage-1 training only: the same total number of optimizer steps in one stage, at

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "long_budget"
@@ -29,15 +30,25 @@ def history(run: str, config: str) -> list[tuple[int, float]]:
     from pipeline.runtime import setup_mlflow
 
     setup_mlflow(load_config(ROOT / "jobs" / "configs" / f"{config}.yaml"))
-    client, points, offset = MlflowClient(), [], 0
+    client, points = MlflowClient(), []
     for stage_dir in sorted((ROOT / "outputs" / run / "train").glob("stage*")):
         run_id = (stage_dir / "mlflow_run_id").read_text().strip()
         # step 0: the registry's copy of the final metrics on the registered model, not a measurement
         metrics = sorted((m for m in client.get_metric_history(run_id, METRIC) if m.step > 0), key=lambda m: m.step)
-        points += [(offset + m.step, m.value) for m in metrics]
-        offset = points[-1][0] if points else offset
-    # a resumed stage re-measures a step it had measured before: keep the last value per step
-    return sorted(dict(points).items())
+        points += [(stage_dir.name, m.step, m.value) for m in metrics]
+    return global_steps(points)
+
+
+def global_steps(points: list[tuple[Any, int, float]]) -> list[tuple[int, float]]:
+    """(stage, step within the stage, value), stages in order -> (global step, value): each stage
+    continues the previous one's last step. A resumed stage re-measures a step it had measured
+    before: the last value per step is kept."""
+    out, offset, stage = [], 0, object()
+    for point_stage, step, value in points:
+        if point_stage != stage:
+            offset, stage = (out[-1][0] if out else 0), point_stage
+        out.append((offset + step, value))
+    return sorted(dict(out).items())
 
 
 def main() -> None:

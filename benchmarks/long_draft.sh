@@ -11,8 +11,9 @@ NAME=${1:-smollm2-long}
 shift || true
 CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
-RUN=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').run_dir)")
-MODEL=$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').model_name)")
+source benchmarks/lib.sh
+RUN=$(config_value "$CFG" c.run_dir)
+MODEL=$(config_value "$CFG" c.model_name)
 EVAL=("eval.temperatures=[0, 1]" "eval.num_questions=${QUESTIONS:-8}" "eval.max_new_tokens=128"
       "eval.baselines=[vanilla, hf_generate]")
 
@@ -26,7 +27,7 @@ read -r -a TREE < <(.venv/bin/python -c "import json; print(' '.join(json.load(o
 $G register -c "$CFG" --promote "$@"
 # A shipped draft is replaced only by a better one: with one in place, measure first
 # (benchmarks/vs_shipped.sh <config-name> <out-name>), then ship with SHIP=1 here or there.
-SHIPPED=drafts/$(.venv/bin/python -c "from pipeline.config import load_config; print(load_config('$CFG').target_slug)")/griffin
+SHIPPED=drafts/$(config_value "$CFG" c.target_slug)/griffin
 if [ -d "$SHIPPED" ] && [ "${SHIP:-0}" != 1 ]; then
   echo "not shipped: $SHIPPED already holds a draft; compare with benchmarks/vs_shipped.sh $NAME <out-name>, then rerun with SHIP=1"
   exit 0

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from long_budget import history  # noqa: E402
+from long_budget import global_steps, history  # noqa: E402
 
 OUT = Path(__file__).parent / "long_lr"
 CONFIG = "smollm2-long"
@@ -27,13 +27,7 @@ CONFIG = "smollm2-long"
 def shipped_curve() -> list[tuple[int, float]]:
     """(global step, held out) of the shipped draft's training: stages 2-3 continue stage 1's count."""
     saved = json.loads((Path(__file__).parent / "long_draft" / "training.json").read_text())
-    points, offset, last = [], 0, {}
-    for point in saved["curve"]:
-        if point["stage"] != last.get("stage"):
-            offset = points[-1][0] if points else 0
-        points.append((offset + point["step"], point["held_out_expected_accepted_tokens"]))
-        last = point
-    return points
+    return global_steps([(p["stage"], p["step"], p["held_out_expected_accepted_tokens"]) for p in saved["curve"]])
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ NAME=$1
 OUT=$2
 CFG=jobs/configs/$NAME.yaml
 G=.venv/bin/griffin
-py() { .venv/bin/python -c "from pipeline.config import load_config; c = load_config('$CFG'); print($1)"; }
+source benchmarks/lib.sh
+py() { config_value "$CFG" "$1"; }
 SHIPPED=drafts/$(py c.target_slug)/griffin
 RUN=$(py c.run_dir)
 STORE=${HELDOUT_STORE:-$(py c.store_path)}
