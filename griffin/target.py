@@ -11,6 +11,8 @@ Shape legend: T tokens, N tree nodes, D hidden, V vocab, S cached positions, Hk 
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +64,14 @@ class PackedLinear(nn.Module):
     freezing pass of ``torch.compile`` does. On plain row-major weights a bf16 GEMV at batch 1
     streams them ~1.6x slower (benchmarks/decode.md), and an fp32 tree verify pays MKL's repacking
     of the weights on every call (benchmarks/decode-fp32.md); decoding is those products.
-    ``weight`` stays, so tied embeddings, ``head_weight`` and ``state_dict`` see the same tensor."""
+    With ``keep_weight`` the plain ``weight`` stays, so that a tied embedding, ``head_weight`` and
+    ``state_dict`` see the same tensor; without it the plain copy is released (``weight`` is None)
+    and only the packed one takes memory."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias = (linear.weight if keep_weight else None), linear.bias
         batch = LAYOUT_BATCH[linear.weight.dtype]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch)
 
@@ -77,16 +81,27 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def prepack_linears(module: nn.Module) -> int:
+def prepack_linears(module: nn.Module, keep_weight: Callable[[nn.Linear], bool] = lambda linear: True) -> int:
     """Swap every ``nn.Linear`` under ``module`` for a ``PackedLinear`` (inference only: the packed
-    copy takes no gradient). Returns how many were swapped."""
+    copy takes no gradient), keeping the plain weight where ``keep_weight(linear)``. Returns how
+    many were swapped."""
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keep_weight(child)))
                 swapped += 1
     return swapped
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap pages that released weights leave behind back to the OS (glibc keeps freed
+    blocks of a few MB in its heap; benchmarks/RESULTS.md: 100 MiB more of SmolLM2's released fp32
+    weights leave the process this way). A no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class PreallocatedLayer(CacheLayerMixin):
@@ -171,6 +186,7 @@ class TargetAdapter:
         self.tokenizer = tokenizer
         self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
         self.packed = False  # see prepack()
+        self._weights_sha256: str | None = None
         for p in self.model.parameters():
             p.requires_grad_(False)
 
@@ -190,13 +206,28 @@ class TargetAdapter:
 
     def prepack(self) -> bool:
         """Pre-pack the target's linear layers for CPU decoding, fp32 or native bf16 (``PackedLinear``); a
-        no-op elsewhere. Returns whether it packed. Inference only: call it in decoding processes."""
+        no-op elsewhere. Returns whether it packed. Inference only: call it in decoding processes.
+        The plain weights are released, all but the LM head's (drafts read its rows, and a tied head
+        is the embedding), so a decoding process holds one copy of the target: the weights hash is
+        taken first, for the lineage checks."""
         if not prepack_supported(self.device, self.dtype):
             return False
-        prepack_linears(self.model)
+        _ = self.weights_sha256
+        head = self.model.get_output_embeddings()
+        prepack_linears(self.model, keep_weight=lambda linear: linear is head)
         self.lm_head = self.model.get_output_embeddings()
         self.packed = True
+        _return_freed_memory()
         return True
+
+    @property
+    def weights_sha256(self) -> str:
+        """sha256 over every weight tensor of the target as loaded (computed once)."""
+        if self._weights_sha256 is None:
+            from griffin.weights import tensors_sha256
+
+            self._weights_sha256 = tensors_sha256(self.model.state_dict())
+        return self._weights_sha256
 
     # ---- facts about the target --------------------------------------------------------
     @property

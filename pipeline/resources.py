@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from griffin.target import TargetAdapter, resolve_dtype
-from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, load_draft as bind_draft, read_draft_config, tensors_sha256
+from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, load_draft as bind_draft, read_draft_config
 from pipeline.config import RunConfig, TargetSection
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def target_fingerprint(target: TargetAdapter) -> dict[str, Any]:
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     target._fingerprint = {
         "target_id": target.name,
-        "target_weights_sha256": tensors_sha256(target.model.state_dict()),
+        "target_weights_sha256": target.weights_sha256,
         "tokenizer_sha256": _sha256_text(repr(sorted(vocab.items()))),
         "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
         "hidden_size": target.hidden_size,
