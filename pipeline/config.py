@@ -186,8 +186,8 @@ class DecodeSection(Section):
     tree: TreeConfig = Field(default_factory=TreeConfig)
     tune: bool = Field(default=False, description="griffin run: pick the tree with griffin tune-tree on this machine "
                        "(calibration prompts the evaluation never uses) and evaluate with it")
-    tune_prompts: int = Field(default=6, ge=1, description="tune-tree's calibration prompts: τ is replayed on all "
-                              "of them (griffin.replay), round costs come from decoding the first")
+    tune_prompts: int = Field(default=6, ge=1, description="tune-tree's calibration prompts: every tree's τ and "
+                              "drafting time are replayed on all of them (griffin.replay)")
     tune_max_new_tokens: int = Field(default=64, ge=1, description="tune-tree's tokens per calibration prompt")
     tune_sweeps: int = Field(default=2, ge=1, description="tune-tree's coordinate-search sweeps over total_tokens, "
                              "depth and top_k (each costs up to 23 trees)")

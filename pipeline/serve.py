@@ -392,7 +392,8 @@ class SpeculativeDecoder:
         card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "griffin",
                 "target": self.target.name, "draft": self.draft_uri, "speculative": self.draft is not None,
                 "decoding": "griffin speculative" if self.draft is not None else "vanilla (no draft configured)",
-                "tree": self.tree.model_dump(), "max_context": self.target.max_context}
+                "tree": self.tree.model_dump(), "max_context": self.target.max_context,
+                "torch_threads": torch.get_num_threads()}  # Ray gives a replica one thread per serve.num_cpus
         return {"object": "list", "data": [card]}
 
     # ---- completions ----

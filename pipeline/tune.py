@@ -3,17 +3,19 @@
 EAGLE-2's ``total_token=-1`` picks the tree size from the target's measured speed. We measure both
 halves of the trade-off, in one process:
 
-- the target's verify cost curve: one verify forward of N tree tokens after a fixed prefix, for every
-  N of the grid, interleaved over repetitions (medians): the hardware fact that makes wide trees
-  expensive on a CPU (compute-bound) and nearly free on a GPU (bandwidth-bound);
-- per candidate tree (total_tokens, depth, top_k): tau at T=0 over every calibration prompt, replayed
-  with the draft alone from each prompt's greedy continuation (``griffin.replay``: the rounds the
-  decoder would run, at a tenth of their cost), and the median draft and verify seconds of a round
-  from real speculative decoding of the first prompt (medians over its rounds resist the noise of a
-  shared machine; the draft is timed between real verify passes, as it runs when serving).
+- the target's verify cost curve: a round's verify phase (one verify forward of N tree tokens after
+  a fixed prefix, the T=0 acceptance and the KV compaction) for every N of the grid, interleaved over
+  repetitions (medians): the hardware fact that makes wide trees expensive on a CPU (compute-bound)
+  and nearly free on a GPU (bandwidth-bound);
+- per candidate tree (total_tokens, depth, top_k): tau at T=0 and the median drafting seconds of a
+  round, over every calibration prompt, replayed with the draft alone from each prompt's greedy
+  continuation (``griffin.replay``: the rounds the decoder would run, at a tenth of their cost;
+  replayed and decoded drafting times agree, benchmarks/RESULTS.md).
 
-Expected tokens/s = tau / (median draft + median verify seconds per round); prefill is the same for
-every candidate and left out. Vanilla tokens/s comes from the decodes that made the continuations. A coordinate search starts at the evaluation tree (``eval.tree`` or
+Expected tokens/s = tau / (median draft seconds + the curve at total_tokens); prefill is the same
+for every candidate and left out. Vanilla tokens/s comes from the decodes that made the
+continuations. Every candidate is timed against the same curve, so two trees of one size differ only
+by what differs between them: tau and drafting. A coordinate search starts at the evaluation tree (``eval.tree`` or
 ``decode.tree``) and sweeps total_tokens, depth and top_k ``decode.tune_sweeps`` times (default
 twice). The calibration prompts are the *last* questions of ``eval.datasets``; the evaluation takes
 the first ones, so it never scores the tree on the prompts that picked it.
@@ -51,7 +53,7 @@ class Candidate:
     top_k: int
     tau: float
     draft_ms: float  # median per round
-    verify_ms: float  # median per round: target forward + acceptance + KV compaction
+    verify_ms: float  # the verify cost curve at total_tokens: target forward + acceptance + KV compaction
     tokens_per_s: float  # expected: tau / (draft + verify)
 
     @property
@@ -61,7 +63,8 @@ class Candidate:
 
 @torch.inference_mode()
 def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> dict[int, float]:
-    """Median ms of one verify forward of N tree tokens (a chain: cost depends on N, not the shape)."""
+    """Median ms of a round's verify phase for N tree tokens: the verify forward (a chain: its cost
+    depends on N, not the shape), the T=0 acceptance and the compaction of one accepted node's KV."""
     cache = target.new_cache(CURVE_PREFIX + max(sizes))
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, target.vocab_size, (1, CURVE_PREFIX), generator=generator)
@@ -72,19 +75,24 @@ def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> 
             tokens = torch.randint(0, target.vocab_size, (n,), generator=generator)
             chain = torch.tril(torch.ones(n, n, dtype=torch.bool))  # (N, N) ancestor-or-self
             start = device_time(target.device)
-            target.verify(tokens, torch.arange(n), chain, cache)
+            _, logits = target.verify(tokens, torch.arange(n), chain, cache)
+            logits[0].argmax(-1).tolist()  # the acceptance's argmax per node
+            target.commit(cache, CURVE_PREFIX, torch.zeros(1, dtype=torch.long))  # keep the root
             if rep:
                 timings[n].append(device_time(target.device) - start)
             target.commit(cache, CURVE_PREFIX, torch.empty(0, dtype=torch.long))  # roll back to the prefix
     return {n: 1e3 * median(values) for n, values in timings.items()}
 
 
-def measure_tree(target: Any, draft: Any, references: list[GreedyReference], tree: TreeConfig, max_new: int) -> Candidate:
-    """tau replayed over every reference; round costs from decoding the first one for real."""
-    accepted = [a for reference in references for a in replay_greedy(draft, reference, tree).accepted_per_round]
+def measure_tree(draft: Any, references: list[GreedyReference], tree: TreeConfig,
+                 verify_ms_by_tokens: dict[int, float]) -> Candidate:
+    """tau and the median drafting time of a round, replayed over every reference; the verify phase
+    from the cost curve."""
+    replays = [replay_greedy(draft, reference, tree) for reference in references]
+    accepted = [a for replay in replays for a in replay.accepted_per_round]
     tau = (sum(accepted) + len(accepted)) / len(accepted)
-    rounds = speculative_generate(target, draft, references[0].input_ids, tree, GREEDY, max_new).stats.round_seconds
-    draft_s, verify_s = median(d for d, _ in rounds), median(v for _, v in rounds)
+    draft_s = median(s for replay in replays for s in replay.draft_seconds)
+    verify_s = verify_ms_by_tokens[tree.total_tokens] / 1e3
     return Candidate(tree.total_tokens, tree.depth, tree.top_k, tau, 1e3 * draft_s, 1e3 * verify_s,
                      tau / (draft_s + verify_s))
 
@@ -169,7 +177,7 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
     progress = console.Progress("tune-tree", sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
 
     def score(tree: TreeConfig) -> Candidate:
-        candidate = measure_tree(target, draft_model, references, tree, max_new_tokens)
+        candidate = measure_tree(draft_model, references, tree, curve)
         progress.update(progress.done + 1, f"last τ {candidate.tau:.2f}")
         return candidate
 
