@@ -5,7 +5,7 @@ continuation (``griffin.sampling.verify_greedy``), and what it commits is that c
 vanilla decode of a prompt and one target forward over it give everything a round needs: the
 target's next tokens and its features at every committed position. Replaying the rounds then runs
 only the draft: the same trees and the same accepted lengths as ``speculative_generate`` (up to float
-noise in near-tied draft scores), at a tenth of a round's cost on a CPU. ``griffin tune-tree``
+noise in near-tied draft scores), at a fifth to a tenth of a round's cost on a CPU. ``griffin tune-tree``
 scores trees' τ this way on more prompts than it could decode.
 
 Shape legend: T prompt tokens, L continuation tokens, D_f feature width.
@@ -36,7 +36,7 @@ class GreedyReference:
     continuation: list[int]  # (L_ext,) greedy tokens, decoded on past a stop token by ``lookahead``
     length: int  # tokens vanilla decoding returns: up to the first stop token, at most max_new_tokens
     features: Tensor  # (1, T + L_ext - 1, D_f) the target's features at every position but the last
-    vanilla_step_seconds: float  # median single-token step of the decode that produced it
+    vanilla_step_seconds: float  # mean single-token step of the decode that produced it
 
 
 @torch.inference_mode()
