@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from griffin.config import TreeConfig  # noqa: E402
-from griffin.decode import speculative_generate  # noqa: E402
+from griffin.decode import acceptance_length as tau, speculative_generate  # noqa: E402
 from griffin.replay import GREEDY, greedy_reference, replay_greedy  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.report import hardware  # noqa: E402
@@ -33,10 +33,6 @@ from pipeline.tune import DEPTHS, calibration_prompts  # noqa: E402
 OUT = Path(__file__).parent / "replay"
 DRAFT = "drafts/smollm2-135m-instruct/griffin"
 TREES = ["4/2/2", "6/2/2", "6/3/2", "8/3/3", "12/3/10", "16/3/8", "16/5/4", "24/4/6"]
-
-
-def tau(accepted: list[int]) -> float:
-    return (sum(accepted) + len(accepted)) / len(accepted)
 
 
 def main() -> None:

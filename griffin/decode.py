@@ -25,6 +25,13 @@ from griffin.target import TargetAdapter
 from griffin.tree import draft_tree
 
 
+def acceptance_length(accepted_per_round: list[int]) -> float:
+    """tau = sum over rounds of (accepted + 1) / rounds (docs/design.md §8: bonus token included);
+    0 without rounds."""
+    rounds = len(accepted_per_round)
+    return (sum(accepted_per_round) + rounds) / rounds if rounds else 0.0
+
+
 @dataclass
 class GenerationStats:
     rounds: int = 0  # target passes after prefill (verification passes for speculative decoding)
@@ -36,8 +43,7 @@ class GenerationStats:
 
     @property
     def acceptance_length(self) -> float:
-        """tau = sum over rounds of (accepted + 1) / rounds (docs/design.md §8: bonus token included)."""
-        return (sum(self.accepted_per_round) + self.rounds) / self.rounds if self.rounds else 0.0
+        return acceptance_length(self.accepted_per_round)
 
 
 @dataclass

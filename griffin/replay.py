@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import vanilla_generate
+from griffin.decode import acceptance_length, vanilla_generate
 from griffin.model import GriffinDraft, KVCache
 from griffin.target import TargetAdapter
 from griffin.tree import DraftTree, draft_tree
@@ -66,8 +66,7 @@ class Replay:
 
     @property
     def tau(self) -> float:
-        rounds = len(self.accepted_per_round)
-        return (sum(self.accepted_per_round) + rounds) / rounds if rounds else 0.0
+        return acceptance_length(self.accepted_per_round)
 
 
 def accepted_along(tree: DraftTree, upcoming: list[int]) -> int:

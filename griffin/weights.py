@@ -46,7 +46,7 @@ def draft_config_json(cfg: DraftConfig, provenance: dict[str, Any] | None = None
     }
 
 
-def _atomic_write_json(path: Path, obj: Any) -> None:
+def atomic_write_json(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
@@ -64,7 +64,7 @@ def save_draft(draft: GriffinDraft, path: str | Path, provenance: dict[str, Any]
     save_file(state, tmp, metadata={"format": "pt"})
     os.chmod(tmp, 0o644)  # mkstemp makes it 0600
     os.replace(tmp, path / WEIGHTS_NAME)
-    _atomic_write_json(path / CONFIG_NAME, draft_config_json(draft.cfg, provenance))
+    atomic_write_json(path / CONFIG_NAME, draft_config_json(draft.cfg, provenance))
     return path
 
 
@@ -504,7 +504,7 @@ def export_draft(path: str | Path, out: str | Path, layout: str, target: Any,
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
     os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a copied export from other users (a serving account)
     os.replace(tmp, out / weights_name)
-    _atomic_write_json(out / CONFIG_NAME, config)
+    atomic_write_json(out / CONFIG_NAME, config)
     _check_export(out, cfg, state, embed)
     load_export(out, target)  # and it binds to the target strictly
     return out

@@ -26,7 +26,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.weights import tensors_sha256
+from griffin.weights import atomic_write_json, tensors_sha256
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress, say
 from pipeline.resources import draft_for_run, load_draft, load_questions, load_target, target_fingerprint
@@ -378,8 +378,6 @@ def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) ->
     ledger.remove()
     report["summary"]["mlflow_run_id"] = log_report(cfg, report, eval_dir, draft_uri)
     # written last, atomically: a kill before this line leaves no finished evaluation to reuse
-    tmp = eval_dir / f"{FINISHED}.tmp"
-    tmp.write_text(json.dumps({"key": key, "summary": report["summary"]}, default=str))
-    os.replace(tmp, eval_dir / FINISHED)
+    atomic_write_json(eval_dir / FINISHED, {"key": key, "summary": report["summary"]})
     progress.close(f"report {eval_dir / 'report.md'}")
     return report["summary"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from griffin.decode import acceptance_length
+
 DEFINITIONS = {
     "tau": "acceptance length: tokens committed per target verification pass, bonus token included: "
            "tau = sum over rounds (accepted + 1) / rounds, pooled over every round of every generation "
@@ -42,7 +44,7 @@ def _acceptance(accepted: list[int], depth: int) -> dict[str, Any]:
     reached = [sum(1 for a in accepted if a >= k) for k in range(depth + 1)]  # reached[0] = rounds
     return {
         "rounds": len(accepted),
-        "tau": (sum(accepted) + len(accepted)) / len(accepted) if accepted else 0.0,
+        "tau": acceptance_length(accepted),
         "per_position_acceptance": [reached[k] / reached[k - 1] if reached[k - 1] else None
                                     for k in range(1, depth + 1)],
         "acceptance_histogram": [sum(1 for a in accepted if a == k) for k in range(depth + 1)],

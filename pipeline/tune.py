@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import torch
 
-from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import device_time, speculative_generate
-from griffin.replay import GreedyReference, greedy_reference, replay_greedy
+from griffin.config import TreeConfig
+from griffin.decode import acceptance_length, device_time, speculative_generate
+from griffin.replay import GREEDY, GreedyReference, greedy_reference, replay_greedy
 from pipeline import console
 from pipeline.config import RunConfig
 
@@ -43,7 +43,6 @@ TOTAL_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEPTHS = (2, 3, 4, 5, 6, 8)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 CURVE_PREFIX = 256  # committed tokens before the verified tree (a mid-conversation context)
-GREEDY = SamplingConfig(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,7 @@ def measure_tree(draft: Any, references: list[GreedyReference], tree: TreeConfig
     """tau and the median drafting time of a round, replayed over every reference; the verify phase
     from the cost curve."""
     replays = [replay_greedy(draft, reference, tree) for reference in references]
-    accepted = [a for replay in replays for a in replay.accepted_per_round]
-    tau = (sum(accepted) + len(accepted)) / len(accepted)
+    tau = acceptance_length([a for replay in replays for a in replay.accepted_per_round])
     draft_s = median(s for replay in replays for s in replay.draft_seconds)
     verify_s = verify_ms_by_tokens[tree.total_tokens] / 1e3
     return Candidate(tree.total_tokens, tree.depth, tree.top_k, tau, 1e3 * draft_s, 1e3 * verify_s,
