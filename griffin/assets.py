@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -161,6 +162,16 @@ def _gguf_chat_template(gguf_path: Path) -> str | None:
     return None if field is None else field.contents()
 
 
+def gguf_tokenizer(gguf_path: Path) -> tuple[Any, str]:
+    """The GGUF's tokenizer with its chat template, and where the template came from ("tokenizer", or
+    "gguf-metadata" where transformers dropped it)."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if tokenizer.chat_template is not None:
+        return tokenizer, "tokenizer"
+    tokenizer.chat_template = _gguf_chat_template(gguf_path)
+    return tokenizer, "gguf-metadata"
+
+
 def _convert(gguf_path: Path, out: Path) -> str:
     """Dequantize the GGUF into ``out`` as config + safetensors + tokenizer. Returns where the
     chat template came from ("tokenizer" or "gguf-metadata")."""
@@ -169,11 +180,7 @@ def _convert(gguf_path: Path, out: Path) -> str:
     # weights packed in GGUF blocks, which would then be saved as raw blocks.
     dense = GgufConfig(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, quantization_config=dense, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(src, **kw)
-    template_source = "tokenizer"
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = _gguf_chat_template(gguf_path)
-        template_source = "gguf-metadata"
+    tokenizer, template_source = gguf_tokenizer(gguf_path)
     # The weights are plain bf16 now. transformers attaches a GgufConfig when it picks the GGUF
     # path itself (and then refuses save_pretrained); a saved one would claim packed weights.
     if hasattr(model.config, "quantization_config"):

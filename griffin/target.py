@@ -94,7 +94,7 @@ def prepack_linears(module: nn.Module, keep_weight: Callable[[nn.Linear], bool] 
     return swapped
 
 
-def _return_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the heap pages that released weights leave behind back to the OS (glibc keeps freed
     blocks of a few MB in its heap; benchmarks/RESULTS.md: 100 MiB more of SmolLM2's released fp32
     weights leave the process this way). A no-op without glibc."""
@@ -217,7 +217,7 @@ class TargetAdapter:
         prepack_linears(self.model, keep_weight=lambda linear: linear is head)
         self.lm_head = self.model.get_output_embeddings()
         self.packed = True
-        _return_freed_memory()
+        release_freed_memory()
         return True
 
     @property

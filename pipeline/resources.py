@@ -43,16 +43,18 @@ LINEAGE_KEYS = ("target_weights_sha256", "tokenizer_sha256", "chat_template_sha2
 
 
 # ---- targets ------------------------------------------------------------------------------------
-def load_target(section: TargetSection, decoding: bool = False) -> TargetAdapter:
-    """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``."""
+def load_target(section: TargetSection, decoding: bool = False, device: str | None = None) -> TargetAdapter:
+    """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``.
+    ``device`` places it elsewhere than ``section.device``, in the dtype resolved for that one."""
     from pipeline.targets import build_tiny_target
 
     dtype = resolve_dtype(section.dtype, section.device)
+    device = device or section.device
     if section.tiny is not None:
         target = build_tiny_target(section.tiny, dtype)
-        target.model.to(section.device)
+        target.model.to(device)
     else:
-        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=section.device)
+        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device)
     if decoding and section.prepack:
         target.prepack()
     return target

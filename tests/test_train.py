@@ -170,3 +170,31 @@ def test_stage_lr_defaults_follow_the_official_recipe():
 
     assert [StagePlan.for_stage(j, "griffin", steps=10).lr for j in (1, 2, 3)] == [5e-5, 3e-5, 3e-5]
     assert StagePlan.for_stage(2, "hass", steps=10).alignment_mask is False
+
+
+def test_a_worker_keeps_the_draft_and_the_head_but_not_the_target(monkeypatch):
+    """A training worker's draft is the one built from the whole target, and the target itself is
+    gone once it is built (only its embedding and head stay, bound to the draft)."""
+    import weakref
+
+    import pipeline.train as train
+    from pipeline.resources import load_target
+
+    cfg = load_config("jobs/configs/tiny.yaml", ["draft.init_layer=0"])
+    reference_target = load_target(cfg.target)
+    reference = train._init_draft(cfg, reference_target, None, None)
+    lent = []
+
+    def lend(section, **kwargs):
+        target = load_target(section, **kwargs)
+        lent.append(weakref.ref(target.model))
+        return target
+
+    monkeypatch.setattr(train, "load_target", lend)
+    draft, head = train._worker_draft(cfg, None, None, "cpu")
+    assert len(lent) == 1 and lent[0]() is None  # no reference to the target's model is left
+    assert torch.equal(head, reference_target.head_weight)
+    assert head.data_ptr() == draft.head_weight.data_ptr()  # the full head once, not a second copy
+    assert torch.equal(draft.embed_weight, reference_target.embed_weight)
+    theirs = reference.state_dict()
+    assert all(torch.equal(value, theirs[name]) for name, value in draft.state_dict().items())
