@@ -10,6 +10,7 @@ Shape legend: T tokens, N tree nodes, D hidden, V vocab.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from torch.profiler import record_function  # named ranges for benchmarks/round_
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.model import GriffinDraft, KVCache
 from griffin.sampling import next_token, verify
-from griffin.target import TargetAdapter
+from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import draft_tree
 
 
@@ -126,6 +127,15 @@ def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
     return reason
 
 
+def on_decode_attention(decode: Callable) -> Callable:
+    """Runs ``decode(target, ...)`` under ``decode_attention`` for the target's device."""
+    @functools.wraps(decode)
+    def run(target: TargetAdapter, *args, **kwargs):
+        with decode_attention(target.device):
+            return decode(target, *args, **kwargs)
+    return run
+
+
 def device_time(device: torch.device) -> float:
     """A wall-clock reading after the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":
@@ -133,6 +143,7 @@ def device_time(device: torch.device) -> float:
     return time.perf_counter()
 
 
+@on_decode_attention
 @torch.inference_mode()
 def vanilla_generate(
     target: TargetAdapter,
@@ -169,6 +180,7 @@ def vanilla_generate(
     return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)
 
 
+@on_decode_attention
 @torch.inference_mode()
 def speculative_generate(
     target: TargetAdapter,

@@ -22,7 +22,7 @@ from torch import Tensor
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import acceptance_length, vanilla_generate
 from griffin.model import GriffinDraft, KVCache
-from griffin.target import TargetAdapter
+from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import DraftTree, draft_tree
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -91,14 +91,15 @@ def replay_greedy(draft: GriffinDraft, reference: GreedyReference, tree: TreeCon
     new_features = features[:, :T]  # (1, T, D_f)
     new_tokens = torch.cat([prompt[0, 1:].to(device), torch.tensor(continuation[:1], device=device)])  # (T,)
     done = 1  # continuation tokens committed; continuation[done - 1] is the root
-    while done < reference.length:
-        start = time.perf_counter()
-        nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree)
-        replay.draft_seconds.append(time.perf_counter() - start)
-        accepted = accepted_along(nodes, continuation[done:done + tree.depth])
-        replay.accepted_per_round.append(accepted)
-        # committed: the accepted tokens and the target's next one; features at the root and accepted nodes
-        new_features = features[:, T + done - 1:T + done + accepted]  # (1, A+1, D_f)
-        new_tokens = torch.tensor(continuation[done:done + accepted + 1], device=device)  # (A+1,)
-        done += accepted + 1
+    with decode_attention(device):  # a new KV length every round, as in decoding
+        while done < reference.length:
+            start = time.perf_counter()
+            nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree)
+            replay.draft_seconds.append(time.perf_counter() - start)
+            accepted = accepted_along(nodes, continuation[done:done + tree.depth])
+            replay.accepted_per_round.append(accepted)
+            # committed: the accepted tokens and the target's next one; features at the root and accepted nodes
+            new_features = features[:, T + done - 1:T + done + accepted]  # (1, A+1, D_f)
+            new_tokens = torch.tensor(continuation[done:done + accepted + 1], device=device)  # (A+1,)
+            done += accepted + 1
     return replay

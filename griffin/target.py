@@ -11,6 +11,7 @@ Shape legend: T tokens, N tree nodes, D hidden, V vocab, S cached positions, Hk 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -32,6 +34,20 @@ def fast_bf16(device: str | torch.device = "cpu") -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# The attention backends decoding runs with on CUDA: all but cuDNN's. cuDNN attention, PyTorch's first
+# choice for bf16 on Hopper, builds an execution graph for each new input shape, and decoding changes the
+# KV length every step. On an H200, a bf16 SmolLM2 step took 85 ms while the shapes were new and 22-25 ms
+# once they repeated (benchmarks/gpu_dtype.md); the real bf16 decode ran at 0.38x its fp32 speed.
+DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decode_attention(device: str | torch.device) -> contextlib.AbstractContextManager:
+    """Context for a decode on ``device``: SDPA without cuDNN's backend on CUDA (``DECODE_ATTENTION``),
+    unchanged elsewhere. The backend flags are process-wide, so concurrent decodes on one GPU would
+    race on them; a replica decodes one request at a time (pipeline.serve)."""
+    return sdpa_kernel(DECODE_ATTENTION) if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:

@@ -148,3 +148,37 @@ def test_on_tokens_streams_every_committed_token_once():
     chunks.clear()
     ref = vanilla_generate(target, ids, GREEDY, 5, stop_token_ids=[], on_tokens=chunks.append)
     assert chunks == [[t] for t in ref.tokens]
+
+
+def test_decodes_run_without_cudnn_attention_on_cuda(monkeypatch):
+    """cuDNN's attention builds a graph per new shape, and every decode step is one: on CUDA the
+    decode loops and tune-tree's replay run under ``decode_attention``, which leaves it out."""
+    import griffin.decode
+    import griffin.replay
+    from griffin.replay import greedy_reference, replay_greedy
+    from griffin.target import decode_attention
+
+    with decode_attention(torch.device("cuda")):  # the flags are process-wide; no GPU needed to set them
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    with decode_attention("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # nothing changes off CUDA
+
+    entered = []
+
+    def recording(device):
+        entered.append(torch.device(device).type)
+        return decode_attention(device)
+
+    monkeypatch.setattr(griffin.decode, "decode_attention", recording)
+    monkeypatch.setattr(griffin.replay, "decode_attention", recording)
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target)
+    ids, tree = torch.randint(3, 128, (1, 8)), TREES["small"]
+    vanilla_generate(target, ids, GREEDY, 4, stop_token_ids=[])
+    speculative_generate(target, draft, ids, tree, GREEDY, 4, stop_token_ids=[])
+    assert entered == ["cpu", "cpu"]
+    replay_greedy(draft, greedy_reference(target, ids, 4, lookahead=tree.depth, stop_token_ids=[]), tree)
+    assert entered == ["cpu", "cpu", "cpu", "cpu"]  # the reference's vanilla decode, then the replay

@@ -3,7 +3,8 @@
 Each compares the GPU with the CPU reference or with the method's invariant, on the tiny targets:
 - featurize: the Featurizer's post-norm features on CUDA match the CPU's (fp32) and the bf16 bytes decode;
 - train step: a bf16-autocast step on CUDA moves the weights like the CPU step does, and the loss falls;
-- decode: speculative == vanilla token for token on CUDA in fp32 (greedy), and the bf16 CUDA decode runs.
+- decode: speculative == vanilla token for token on CUDA in fp32 (greedy), the bf16 CUDA decode runs, and
+  decoding leaves out cuDNN's attention (a graph rebuilt at every new KV length).
 """
 
 import numpy as np
@@ -37,14 +38,15 @@ def test_featurizer_on_cuda_matches_cpu():
         "loss_mask": np.asarray([np.ones(40, np.uint8), np.ones(17, np.uint8)], dtype=object)}
     gpu, cpu = Featurizer(tiny_section("cuda"), dtype="bf16"), Featurizer(tiny_section("cpu"), dtype="bf16")
     assert gpu.target.device.type == "cuda"
-    for ours, reference in zip(gpu.forward(list(batch["input_ids"])), cpu.forward(list(batch["input_ids"]))):
+    # forward -> [(final (T, D), layers (T, k, D) or None)]
+    for (ours, _), (reference, _) in zip(gpu.forward(list(batch["input_ids"])), cpu.forward(list(batch["input_ids"]))):
         assert ours.device.type == "cpu" and torch.allclose(ours, reference, atol=1e-4, rtol=1e-4)
     rows = gpu(batch)
     assert list(rows["error"]) == ["", ""]
     row = {"hidden": rows["hidden"][1], "input_ids": batch["input_ids"][1], "loss_mask": batch["loss_mask"][1]}
     decoded = decode_row(row, gpu.target.hidden_size)["hidden"]  # (T, D) bf16
     assert decoded.shape == (17, gpu.target.hidden_size)
-    assert torch.allclose(decoded.float(), cpu.forward([batch["input_ids"][1]])[0], atol=0.05, rtol=0.02)
+    assert torch.allclose(decoded.float(), cpu.forward([batch["input_ids"][1]])[0][0], atol=0.05, rtol=0.02)
 
 
 def _step_batch(target, device):
@@ -65,16 +67,22 @@ def test_train_step_on_cuda(stage):
     for device in ("cpu", "cuda"):
         torch.manual_seed(1)
         draft = GriffinDraft.for_target(target).cast_parameters(torch.float32).to(device)
+        start = draft.fusion.fc.weight.detach().cpu().clone()
         batch = _step_batch(target, device) if device == "cuda" else batch_cpu
         optimizer, losses = make_optimizer(draft, method, plan), []
         scheduler = make_scheduler(optimizer, method, plan)
         for _ in range(8):
             losses.append(train_step(draft, draft, [batch], optimizer, scheduler, method, plan, bf16=True)["loss"])
-        results[device] = (losses, draft.fusion.fc.weight.detach().cpu())
-    (cpu_losses, cpu_weight), (gpu_losses, gpu_weight) = results["cpu"], results["cuda"]
+        results[device] = (losses, draft.fusion.fc.weight.detach().cpu() - start)
+    (cpu_losses, cpu_moved), (gpu_losses, gpu_moved) = results["cpu"], results["cuda"]
     assert gpu_losses[-1] < gpu_losses[0]
     assert gpu_losses[0] == pytest.approx(cpu_losses[0], rel=0.05)  # bf16 autocast differs across devices
-    assert torch.allclose(gpu_weight, cpu_weight, atol=5e-3)
+    # Adam moves every weight by about lr a step whatever its gradient's size, so a gradient near zero
+    # that bf16 rounds to the other sign on the other device moves that weight the other way: compare
+    # the updates as a whole, not weight by weight.
+    cosine = torch.nn.functional.cosine_similarity(gpu_moved.flatten(), cpu_moved.flatten(), dim=0).item()
+    spread = ((gpu_moved - cpu_moved).norm() / cpu_moved.norm()).item()
+    assert cosine > 0.95 and spread < 0.3, f"update cosine {cosine:.4f}, relative difference {spread:.4f}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -100,3 +108,21 @@ def test_bf16_sampling_decode_on_cuda():
                                SamplingConfig(temperature=1.0), 32, generator, stop_token_ids=[])
     assert len(out.tokens) == 32 and all(0 <= t < target.vocab_size for t in out.tokens)
     assert out.stats.rounds >= 1
+
+
+def test_bf16_decode_on_cuda_skips_cudnn_attention():
+    """cuDNN's attention rebuilt its graph at every step's new KV length (85 vs 22-25 ms a SmolLM2
+    step on an H200, benchmarks/gpu_dtype.md); decoding leaves that backend out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target = make_target("llama")
+    target.model.to(device=CUDA, dtype=torch.bfloat16)
+    draft = GriffinDraft.for_target(target).to(CUDA).cast_parameters(torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 10)).to(CUDA)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        vanilla_generate(target, ids, SamplingConfig(), 8, stop_token_ids=[])
+        speculative_generate(target, draft, ids, TreeConfig(total_tokens=12, depth=3, top_k=4), SamplingConfig(), 8,
+                             stop_token_ids=[])
+    names = {event.key for event in prof.key_averages()}
+    assert not [name for name in names if "cudnn_attention" in name]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the decode
