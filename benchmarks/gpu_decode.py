@@ -18,7 +18,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from statistics import median
 
 import torch
 
