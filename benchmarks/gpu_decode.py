@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from griffin.config import TreeConfig
 from pipeline.config import load_config
-from pipeline.evaluate import evaluate_dataset, hf_decoder, local_decoder
+from pipeline.evaluate import _warm_up, evaluate_dataset, hf_decoder, local_decoder
 from pipeline.report import hardware, summarize
 from pipeline.resources import load_draft, load_questions, load_target
 
@@ -67,9 +68,7 @@ def run_phase(device: str, dtype: str, temperature: float, trees: list[str], wit
     target = load_target(cfg.target, decoding=True)
     draft = load_draft(DRAFT, target, cfg)
     methods = methods_for(target, draft, trees, with_hf)
-    warm = [{"question_id": "warm-up", "turns": ["Say hello."]}]
-    evaluate_dataset("warm_up", warm, temperature, methods, cfg.model_copy(
-        update={"eval": cfg.eval.model_copy(update={"max_new_tokens": 16})}), target)
+    _warm_up(methods, target, cfg)  # the evaluation's own: kernels, caches, allocator
     records, done = [], {name: 0 for name in questions}
     for index in range(max(len(items) for items in questions.values())):  # alternate the datasets
         for name, items in questions.items():
@@ -120,9 +119,7 @@ def render(result: dict) -> str:
             lines += [f"## {phase['dtype']}, {key}", "",
                       "| method | tree | generations | tau | median tokens/s | vs vanilla | T=0 mismatches |",
                       "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-            mismatches = {m["method"]: 0 for m in group["mismatches"]}
-            for m in group["mismatches"]:
-                mismatches[m["method"]] += 1
+            mismatches = Counter(m["method"] for m in group["mismatches"])
             for method, entry in group["methods"].items():
                 shape = "/".join(map(str, trees[method])) if method in trees else "-"
                 tau = f"{entry['tau']:.2f}" if "tau" in entry else "-"
