@@ -172,6 +172,25 @@ class TrainConfig(_Frozen):
     total_steps: int | None = Field(default=None, ge=1, description="LR decay length; None = each stage's steps")
     grad_clip_value: float = Field(default=0.5, gt=0.0)
     grad_accum: int = Field(default=1, ge=1)
+    ttt_backprop: Literal["auto", "full", "per_pass"] = Field(
+        default="auto", description="'full': a later pass reads the earlier passes' R with its graph and one "
+        "backward runs over the summed pass losses (EAGLE-3's training-time test); 'per_pass': R is detached and "
+        "each pass backpropagates alone (the official GRIFFIN/HASS code); 'auto': full exactly for variants "
+        "without a feature loss (eagle3, griffin3), whose R is otherwise trained by nothing")
+    token_loss: Literal["kl", "lk", "lk_hybrid"] = Field(
+        default="kl", description="each pass's token term: 'kl' forward KL to the target (as cross-entropy); "
+        "'lk' -log of the expected acceptance rate a = mean_t sum_x min(p_t(x), q_t(x)); 'lk_hybrid' "
+        "w*KL + (1-w)*(1-a), w = lk_kl_scale*exp(-lk_kl_decay*a) (LK losses, arXiv 2602.23881)")
+    lk_kl_scale: float = Field(default=1.0, ge=0.0, le=1.0)
+    lk_kl_decay: float = Field(default=1.0, ge=0.0)
+    pass_weight_decay: float = Field(default=1.0, gt=0.0, le=1.0, description="pass j's loss is weighted "
+                                     "decay^(j-1): 1.0 weighs every pass alike, EAGLE-3 uses 0.8")
+    skip_out_of_vocab: bool = Field(default=False, description="drop positions whose target argmax lies outside "
+                                    "a reduced draft vocabulary from every loss (EAGLE-3's rule)")
+
+    def full_backprop(self, plan: "StagePlan") -> bool:
+        """Whether later passes backpropagate into earlier ones (``ttt_backprop``)."""
+        return self.ttt_backprop == "full" or (self.ttt_backprop == "auto" and not plan.feature_loss)
 
 
 DEFAULT_LR = {1: 5e-5}  # the official recipe: 5e-5 for stage 1, 3e-5 for every later stage

@@ -4,8 +4,16 @@ Stage 1 is one EAGLE-style pass (1.0 feature loss + 0.1 token loss). A stage wit
 the draft j times per step with HASS's harmonized context (each pass sees its own earlier
 regressed features, ``GriffinDraft.forward``), adds the 0.5 top-10 loss to every pass, and - for
 GRIFFIN, not HASS - masks out positions whose ground-truth token chain would not have been in
-the draft's top-k (the token-alignment mask). Every pass is back-propagated on its own, so the
-gradients are summed over passes, as the official code does (GRIFFIN issue #1).
+the draft's top-k (the token-alignment mask).
+
+How passes backpropagate (``TrainConfig.ttt_backprop``): with a feature loss (GRIFFIN, HASS,
+EAGLE-2) every pass is back-propagated on its own with the earlier R detached, so the gradients
+are summed over passes, as the official code does (GRIFFIN issue #1). Without one (EAGLE-3,
+GRIFFIN-3) R is trained only through the later passes that read it, so those read it with its
+graph and one backward runs over the summed losses (EAGLE-3's training-time test).
+
+The token term is forward KL (as soft cross-entropy) or an LK loss on the expected acceptance
+rate (``TrainConfig.token_loss``, arXiv 2602.23881).
 
 Shape legend: B batch, T tokens, D hidden, V draft vocab.
 """
@@ -81,16 +89,48 @@ def add_feature_noise(features: Tensor, attention_mask: Tensor, scale: float, ge
 def pass_losses(draft: GriffinDraft, prediction: Tensor, regression: Tensor, batch: ShiftedBatch,
                 teacher: Tensor, mask: Tensor, topk_loss_k: int, feature_loss: bool = True) -> dict[str, Tensor]:
     """Feature (SmoothL1, beta 1; only with ``feature_loss``: without it R is not a regression of
-    the target feature and the term means nothing), soft token cross-entropy and top-k losses under
-    ``mask`` (B, T). teacher: (B, T, V) target probabilities p*_t over the draft vocabulary."""
+    the target feature and the term means nothing), soft token cross-entropy, top-k losses and the
+    expected acceptance rate ``alpha`` under ``mask`` (B, T). teacher: (B, T, V) target
+    probabilities p*_t over the draft vocabulary. ``alpha`` is mean_t sum_x min(p*_t(x), q_t(x)),
+    the probability that speculative sampling accepts the draft's token at t."""
     norm = mask.sum() + 1e-5
     log_q = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (B, T, V)
     token = -(teacher * log_q).sum(-1)  # (B, T)
     top_p, top_idx = teacher.topk(topk_loss_k, dim=-1)  # (B, T, k)
-    terms = {"token": token, "topk": -(top_p * log_q.gather(-1, top_idx)).sum(-1)}  # (B, T) each
+    terms = {"token": token, "topk": -(top_p * log_q.gather(-1, top_idx)).sum(-1),  # (B, T) each
+             "alpha": torch.minimum(teacher, log_q.exp()).sum(-1)}
     if feature_loss:
         terms["value"] = F.smooth_l1_loss(regression.float(), batch.target_features.float(), reduction="none").mean(-1)
     return {name: (x * mask).sum() / norm for name, x in terms.items()}
+
+
+def token_term(parts: dict[str, Tensor], cfg: TrainConfig) -> Tensor:
+    """The pass's token objective (``cfg.token_loss``) from ``pass_losses``' scalars. LK-hybrid's
+    weight w = scale * exp(-decay * alpha) is a schedule, not a path for gradients: alpha is detached
+    there, so KL dominates while acceptance is low and the acceptance term takes over as it rises."""
+    if cfg.token_loss == "kl":
+        return parts["token"]
+    alpha = parts["alpha"]
+    if cfg.token_loss == "lk":
+        return -torch.log(alpha.clamp(min=1e-6))
+    w = cfg.lk_kl_scale * torch.exp(-cfg.lk_kl_decay * alpha.detach())
+    return w * parts["token"] + (1 - w) * (1 - alpha)
+
+
+def pass_loss(parts: dict[str, Tensor], cfg: TrainConfig, plan: StagePlan) -> Tensor:
+    """One pass's loss: feature + weighted token term (EAGLE / GRIFFIN / HASS), or the token term
+    alone without a feature loss (EAGLE-3, GRIFFIN-3); plus HASS's top-k term where the plan has it."""
+    token = token_term(parts, cfg)
+    loss = cfg.value_weight * parts["value"] + cfg.token_weight * token if plan.feature_loss else token
+    return loss + cfg.topk_weight * parts["topk"] if plan.topk_loss else loss
+
+
+def in_draft_vocab(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor) -> Tensor:
+    """(B, T) float: 1 where the target's argmax over its full vocabulary (``target_head`` (V_target, D))
+    is in the draft's reduced vocabulary, the positions EAGLE-3 keeps in its losses."""
+    with torch.no_grad():
+        argmax = (batch.target_features.to(target_head.dtype) @ target_head.T).argmax(-1)  # (B, T) target ids
+        return (draft.to_draft_ids(argmax) >= 0).float()
 
 
 def alignment_hits(draft: GriffinDraft, prediction: Tensor, tokens: Tensor, k: int) -> Tensor:
@@ -128,39 +168,52 @@ def token_alignable_step(
     draft: GriffinDraft | None = None,
     backward: bool = True,
     generator: torch.Generator | None = None,
+    target_head: Tensor | None = None,
 ) -> dict[str, float]:
-    """One training step's forward passes and per-pass backward (no optimizer step).
+    """One training step's forward passes and backward (no optimizer step).
 
-    ``model`` may be a DDP wrapper of ``draft``; the frozen head is read from ``draft``. Returns the
-    mean losses over passes plus per-pass values and the fraction of positions kept by the mask."""
+    ``model`` may be a DDP wrapper of ``draft``; the frozen head is read from ``draft``. With full
+    TTT backprop (``cfg.full_backprop``) each later pass reads the earlier passes' R with its graph
+    and one backward runs over the summed, ``pass_weight_decay``-weighted pass losses; otherwise R is
+    detached and every pass backpropagates on its own. ``target_head`` (V_target, D), the full LM
+    head, is needed only for ``cfg.skip_out_of_vocab``. Returns the mean losses over passes plus
+    per-pass values and the fraction of positions kept by the mask."""
     draft = draft if draft is not None else model
-    n_passes = plan.passes
+    n_passes, full = plan.passes, cfg.full_backprop(plan)
     inputs = add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator) if model.training else batch.features
     with torch.no_grad():
         teacher = torch.softmax(draft.target_logits(batch.target_features).float(), dim=-1)  # (B, T, V)
-    streams, mask, cumulative = [inputs], batch.loss_mask, None
+    base = batch.loss_mask
+    if cfg.skip_out_of_vocab and draft.d2t is not None:
+        if target_head is None:
+            raise ValueError("train.method.skip_out_of_vocab needs the target's full LM head (target_head)")
+        base = base * in_draft_vocab(draft, batch, target_head)
+    streams, mask, cumulative, total = [inputs], base, None, 0.0
     base_count = batch.loss_mask.sum().clamp(min=1)
     metrics: dict[str, float] = {}
     for j in range(1, n_passes + 1):
         P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
         parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss)
-        # without the feature loss (EAGLE-3, GRIFFIN-3) the token loss, forward KL to the target, stands alone
-        loss = cfg.value_weight * parts["value"] + cfg.token_weight * parts["token"] if plan.feature_loss else parts["token"]
-        if plan.topk_loss:
-            loss = loss + cfg.topk_weight * parts["topk"]
-        if backward:
-            (loss / cfg.grad_accum).backward()
+        loss = pass_loss(parts, cfg, plan)
+        weighted = cfg.pass_weight_decay ** (j - 1) * loss / cfg.grad_accum
+        if backward and full:
+            total = total + weighted
+        elif backward:
+            weighted.backward()
         for name, value in (("loss", loss), *parts.items()):
             metrics[f"{name}_{j}"] = float(value.detach())
         metrics[f"mask_kept_{j}"] = float(mask.sum() / base_count)
         if j == n_passes:
             break
-        with torch.no_grad():
-            # next stream: the draft's own regressed features, one position later, detached
-            streams.append(draft.next_stream(inputs, R.detach()))
-            if plan.alignment_mask:
+        # next stream: the draft's own regressed features, one position later; with R's graph when full
+        with torch.set_grad_enabled(full and torch.is_grad_enabled()):
+            streams.append(draft.next_stream(inputs, R))
+        if plan.alignment_mask:
+            with torch.no_grad():
                 cumulative = next_alignment(alignment_hits(draft, P, batch.tokens, cfg.align_top_k), cumulative)
-                mask = batch.loss_mask * alignment_mask(cumulative, cfg.mask_shift)
+                mask = base * alignment_mask(cumulative, cfg.mask_shift)
+    if backward and full:
+        total.backward()
     for name in ("loss", *parts):
         metrics[name] = sum(metrics[f"{name}_{j}"] for j in range(1, n_passes + 1)) / n_passes
     return metrics

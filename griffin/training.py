@@ -2,7 +2,8 @@
 
 - ``make_optimizer`` / ``make_scheduler``: AdamW (0.9, 0.95), linear warm-up then linear decay.
 - ``train_step``: one optimizer step over ``grad_accum`` micro-batches, each running every pass
-  of the stage with per-pass backward; gradients clipped by value (±0.5), bf16 autocast optional.
+  of the stage (``griffin.losses.token_alignable_step``); gradients clipped by value (±0.5), bf16
+  autocast optional.
 - ``evaluate_acceptance``: offline acceptance on held-out batches. Starting at each assistant
   position the draft runs greedily through k steps on its own regressed features (the harmonized
   pass k is exactly that chain, see ``GriffinDraft.forward``); step k counts as accepted when its
@@ -57,15 +58,18 @@ def train_step(
     plan: StagePlan,
     bf16: bool = True,
     generator: torch.Generator | None = None,
+    target_head: Tensor | None = None,
 ) -> dict[str, float]:
-    """One optimizer step. ``model`` may be the DDP wrapper of ``draft``."""
+    """One optimizer step. ``model`` may be the DDP wrapper of ``draft``; ``target_head`` (V_target, D)
+    is the full LM head, needed for ``cfg.skip_out_of_vocab``."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
     tokens = 0
     for batch in micro_batches:
         with autocast(batch.features.device, bf16):
-            metrics = token_alignable_step(model, batch, cfg, plan, draft=draft, generator=generator)
+            metrics = token_alignable_step(model, batch, cfg, plan, draft=draft, generator=generator,
+                                           target_head=target_head)
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value / cfg.grad_accum
         tokens += int(batch.attention_mask.sum())

@@ -345,13 +345,15 @@ def eagle3_config(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: d
     - speculators: ``Eagle3SpeculatorConfig`` (what vLLM reads): the layer config nested, the target
       layers as ``eagle_aux_hidden_state_layer_ids`` (HF hidden_states indices, as vLLM numbers
       them), and ``speculators_config.verifier`` = ``verifier`` (``name_or_path``, ``architectures``).
-    - specforge: the flat ``LlamaForCausalLMEagle3`` config, the layers under ``eagle_config``."""
+    - specforge: the flat ``LlamaForCausalLMEagle3`` config, the layers under ``eagle_config`` in
+      SpecForge's and SGLang's numbering, by decoder-layer output (``specforge_layer_ids``)."""
     layers, ours = list(cfg.feature_layers or ()), {"griffin": cfg.model_dump(), "provenance": provenance,
                                                      "layout": layout}
     layer = _eagle3_layer_config(cfg, dtype)
     if layout == "specforge":
         return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.active_vocab_size,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True}, **ours}
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": specforge_layer_ids(layers),
+                                 "use_aux_hidden_state": True}, **ours}
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", **_dtype_fields(dtype),
         "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
@@ -363,6 +365,16 @@ def eagle3_config(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: d
         },
         **ours,
     }
+
+
+def specforge_layer_ids(hidden_state_ids: list[int]) -> list[int]:
+    """HF ``hidden_states`` indices -> SpecForge's / SGLang's target layer ids. HF index i is the
+    output of decoder layer i (0 = the embeddings); SpecForge numbers decoder layers from 0 and
+    names a layer by its output, and SGLang captures id + 1 (the input of the next layer). E.g. a
+    30-layer target's (2, 15, 27) is SpecForge's default [1, 14, 26] (1, L/2-1, L-4)."""
+    if min(hidden_state_ids, default=1) < 1:
+        raise ValueError("SpecForge cannot name hidden_states[0] (the embeddings) as a target layer")
+    return [i - 1 for i in hidden_state_ids]
 
 
 def eagle3_draft_config(raw: dict[str, Any]) -> DraftConfig:
@@ -378,11 +390,15 @@ def eagle3_draft_config(raw: dict[str, Any]) -> DraftConfig:
         unsupported.append(f"head_dim={layer['head_dim']}")
     if unsupported:
         raise ValueError(f"this EAGLE-3 draft uses {unsupported}, which the draft here does not implement")
-    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    # speculators (vLLM) name HF hidden_states indices at the top level; SpecForge names layer outputs
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    specforge_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids and specforge_ids:
+        ids = [i + 1 for i in specforge_ids]
     if not ids:
-        raise ValueError("config.json names no target layers: add eagle_aux_hidden_state_layer_ids "
-                         "(HF hidden_states indices, e.g. [2, L/2, L-3] for an L-layer target)")
+        raise ValueError("config.json names no target layers: add eagle_aux_hidden_state_layer_ids (speculators: "
+                         "HF hidden_states indices, e.g. [2, L/2, L-3] for an L-layer target; SpecForge: under "
+                         "eagle_config, decoder-layer outputs, e.g. [1, L/2-1, L-4])")
     rope = layer.get("rope_parameters") or {}
     vocab, draft_vocab = layer["vocab_size"], raw.get("draft_vocab_size")
     return DraftConfig(

@@ -93,6 +93,9 @@ class FeaturesSection(Section):
 class DraftSection(Section):
     variant: Variant = "griffin"
     draft_vocab_size: int | None = Field(default=None, ge=1)
+    vocab_from: Literal["reply", "all"] = Field(
+        default="all", description="which training tokens rank the reduced vocabulary: 'reply' = only the "
+        "loss-masked reply tokens, the ones a draft proposes (EAGLE-3, SpecForge); 'all' = system and user text too")
     overrides: dict[str, Any] = Field(default_factory=dict, description="DraftConfig field overrides")
     init_layer: int | None = Field(default=None, description="start the draft's decoder layer from this target "
                                    "decoder layer (negative counts from the end: -1 is the last) instead of a "

@@ -159,7 +159,7 @@ def train_worker(config: dict[str, Any]) -> None:
     while step < stage.steps:
         micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator)
+        metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head)
         step += 1
         rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
@@ -363,7 +363,8 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     eval_ids = eval_split(cfg.store_path, cfg.train.eval_fraction)
     d2t = None
     if cfg.draft.draft_vocab_size:
-        d2t = reduced_vocabulary(cfg.store_path, cfg.draft.draft_vocab_size, target.vocab_size, eval_ids).tolist()
+        d2t = reduced_vocabulary(cfg.store_path, cfg.draft.draft_vocab_size, target.vocab_size, eval_ids,
+                                 reply_only=cfg.draft.vocab_from == "reply").tolist()
     context = {"eval_ids": eval_ids, "provenance": {
         "store": cfg.store_path,
         "algorithm": "griffin", "variant": cfg.draft.variant, "target": target_fingerprint(target),

@@ -44,22 +44,26 @@ def eval_split(store: str, fraction: float) -> set[str]:
     return set(sorted(ids, key=_hash)[:n_eval])
 
 
-def token_frequencies(store: str, exclude: set[str]) -> Counter:
+def token_frequencies(store: str, exclude: set[str], reply_only: bool = False) -> Counter:
+    """Token counts over the training split; ``reply_only``: only the reply tokens (loss mask 1),
+    the tokens a draft ever proposes, as EAGLE-3 and SpecForge count them."""
     counts: Counter = Counter()
     for f in part_files(store):
-        table = pq.read_table(f, columns=["sample_id", "input_ids"])
-        for sid, ids in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+        table = pq.read_table(f, columns=["sample_id", "input_ids", "loss_mask"])
+        for sid, ids, mask in zip(*(table.column(i).to_pylist() for i in range(3))):
             if sid not in exclude:
-                counts.update(ids)
+                counts.update(ids if not reply_only else [t for t, m in zip(ids, mask) if m])
     return counts
 
 
-def reduced_vocabulary(store: str, size: int, vocab_size: int, exclude: set[str]) -> torch.Tensor:
-    """The ``size`` most frequent target ids of the training split (ties by id), sorted by id;
-    rarely-seen ids fill up the rest when the data has fewer distinct tokens (EAGLE-3's d2t)."""
+def reduced_vocabulary(store: str, size: int, vocab_size: int, exclude: set[str],
+                       reply_only: bool = False) -> torch.Tensor:
+    """The ``size`` most frequent target ids of the training split (all tokens, or only reply
+    tokens), ties by id, sorted by id; rarely-seen ids fill up the rest when the data has fewer
+    distinct tokens (EAGLE-3's d2t)."""
     if size > vocab_size:
         raise ValueError(f"draft.draft_vocab_size={size} exceeds the target vocabulary ({vocab_size})")
-    counts = token_frequencies(store, exclude)
+    counts = token_frequencies(store, exclude, reply_only)
     ranked = sorted(range(vocab_size), key=lambda i: (-counts.get(i, 0), i))
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 

@@ -47,9 +47,10 @@ def main(speculators_dir: str, specforge_dir: str, verifier: str, reference_path
 
     reference = torch.load(reference_path, weights_only=True)
     print(json.dumps({"layout": "speculators", **check(speculators_dir, reference)}))
-    layers = json.loads(open(f"{specforge_dir}/config.json").read())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    specforge_ids = json.loads(open(f"{specforge_dir}/config.json").read())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    # the converter takes vLLM's numbering (HF hidden_states indices): SpecForge's layer outputs + 1
     Eagle3Converter().convert(specforge_dir, scratch, base_model=verifier, validate=True,
-                              eagle_aux_hidden_state_layer_ids=layers)
+                              eagle_aux_hidden_state_layer_ids=[i + 1 for i in specforge_ids])
     print(json.dumps({"layout": "specforge", **check(scratch, reference)}))
 
 

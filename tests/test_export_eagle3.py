@@ -66,7 +66,8 @@ def test_eagle3_layouts_names_and_vocabulary(target, tmp_path):
     assert config["speculators_config"]["verifier"] == {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
     flat = json.loads((tmp_path / "specforge" / CONFIG_NAME).read_text())
     assert flat["architectures"] == ["LlamaForCausalLMEagle3"] and flat["draft_vocab_size"] == len(D2T)
-    assert flat["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    # SGLang's numbering: layer outputs, one below HF's hidden_states indices (it captures id + 1)
+    assert flat["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
 
 def test_foreign_eagle3_draft_imports(target, tmp_path):

@@ -1,5 +1,6 @@
 """Token-alignable training losses: shift, alignment masks, per-pass backward, overfitting."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +117,179 @@ def test_top_k_acceptance_bounds_the_greedy_chain():
     assert (wide[0] >= greedy[0]).all() and wide[1, 0] == greedy[1, 0]
     everything = acceptance_counts(draft, batch, 3, top_k=draft.cfg.vocab_size)
     assert everything[0, 0] == everything[1, 0] > greedy[0, 0]
+
+
+VARIANTS = ["griffin", "hass", "eagle", "eagle3", "griffin3"]
+
+
+def variant_batch(target, draft, T=24, seed=0):
+    """A batch with the inputs ``draft`` reads: the final feature, or its feature layers."""
+    from griffin.target import layer_features
+
+    ids = torch.randint(3, 128, (2, T), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = target.backbone(input_ids=ids, output_hidden_states=list(draft.cfg.feature_layers or ()) or True)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[:, :4] = 0
+    layers = layer_features(out, draft.cfg.feature_layers) if draft.cfg.feature_layers else None
+    return shift_batch(out.last_hidden_state, ids, mask, layer_features=layers)
+
+
+def dead_rows(draft: GriffinDraft) -> dict[str, list[int]]:
+    """Trainable weights with rows (first-dim slices) whose gradient is exactly zero."""
+    dead = {}
+    for name, param in draft.named_parameters():
+        norms = param.grad.reshape(param.shape[0], -1).abs().sum(1) if param.grad is not None else torch.zeros(1)
+        if (rows := (norms == 0).nonzero().flatten().tolist()):
+            dead[name] = rows[:3] + (["..."] if len(rows) > 3 else [])
+    return dead
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_trainable_row_learns_in_a_three_pass_step(variant):
+    """One 3-pass step with each variant's defaults gives every row of every trainable weight a
+    gradient. GRIFFIN-3 has no feature loss, so with R detached between passes (the official GRIFFIN
+    rule, "per_pass") the R half of its token-enhanced head (down_proj rows D..2D) learned nothing."""
+    torch.manual_seed(0)
+    target = make_target("llama", num_hidden_layers=5)
+    draft = GriffinDraft.for_target(target, variant=variant)
+    batch, plan = variant_batch(target, draft), StagePlan.for_stage(3, variant, steps=1)
+    cfg = TrainConfig(noise_scale=0.0)
+    assert cfg.full_backprop(plan) == (variant in ("eagle3", "griffin3"))
+    token_alignable_step(draft, batch, cfg, plan)
+    assert dead_rows(draft) == {}
+    if variant == "griffin3":
+        draft.zero_grad()
+        token_alignable_step(draft, batch, TrainConfig(noise_scale=0.0, ttt_backprop="per_pass"), plan)
+        D = draft.cfg.hidden_size
+        assert draft.layer.mlp.down_proj.weight.grad[D:].abs().sum() == 0  # the defect "full" mends
+        assert draft.layer.mlp.down_proj.weight.grad[:D].abs().sum() > 0
+
+
+def test_full_backprop_is_one_backward_over_the_weighted_pass_losses():
+    """"full" == autograd of sum_j decay^(j-1) * loss_j through the passes' shared graph; with one pass
+    both rules agree."""
+    torch.manual_seed(0)
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target)
+    batch = tiny_batch(target, T=12)
+    one = StagePlan.for_stage(1, "griffin", steps=1)
+    grads = []
+    for rule in ("full", "per_pass"):
+        draft.zero_grad()
+        token_alignable_step(draft, batch, TrainConfig(noise_scale=0.0, ttt_backprop=rule), one)
+        grads.append(draft.fusion.fc.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    cfg, plan = TrainConfig(noise_scale=0.0, ttt_backprop="full", pass_weight_decay=0.8), StagePlan.for_stage(2, "griffin", steps=1)
+    draft.zero_grad()
+    m = token_alignable_step(draft, batch, cfg, plan)
+    full = draft.fusion.fc.weight.grad.clone()
+    draft.zero_grad()
+    # by hand: pass 2 reads pass 1's R with its graph
+    P1, R1 = draft([batch.features], batch.tokens, batch.attention_mask)
+    teacher = torch.softmax(draft.target_logits(batch.target_features).float(), -1)
+    from griffin.losses import pass_loss, pass_losses
+
+    l1 = pass_loss(pass_losses(draft, P1, R1, batch, teacher, batch.loss_mask, cfg.topk_loss_k), cfg, plan)
+    from griffin.losses import alignment_hits, next_alignment
+
+    mask2 = batch.loss_mask * alignment_mask(next_alignment(alignment_hits(draft, P1.detach(), batch.tokens, 3), None),
+                                             "reference")
+    P2, R2 = draft([batch.features, draft.next_stream(batch.features, R1)], batch.tokens, batch.attention_mask)
+    l2 = pass_loss(pass_losses(draft, P2, R2, batch, teacher, mask2, cfg.topk_loss_k), cfg, plan)
+    (l1 + 0.8 * l2).backward()
+    assert m["loss_1"] == pytest.approx(l1.item()) and m["loss_2"] == pytest.approx(l2.item())
+    torch.testing.assert_close(full, draft.fusion.fc.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_lk_token_terms_by_hand():
+    from griffin.losses import token_term
+
+    parts = {"token": torch.tensor(2.0), "alpha": torch.tensor(0.5)}
+    assert float(token_term(parts, TrainConfig(token_loss="kl"))) == 2.0
+    assert float(token_term(parts, TrainConfig(token_loss="lk"))) == pytest.approx(-math.log(0.5))
+    w = math.exp(-0.5)
+    assert float(token_term(parts, TrainConfig(token_loss="lk_hybrid"))) == pytest.approx(w * 2.0 + (1 - w) * 0.5)
+    # the expected acceptance of identical distributions is 1, of disjoint ones 0
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target)
+    batch = tiny_batch(target, T=8)
+    P = batch.target_features  # the draft predicting the target's own feature: q = p
+    teacher = torch.softmax(draft.target_logits(batch.target_features).float(), -1)
+    from griffin.losses import pass_losses
+
+    assert float(pass_losses(draft, P, P, batch, teacher, batch.loss_mask, 10)["alpha"]) == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("token_loss", ["kl", "lk", "lk_hybrid"])
+def test_every_token_loss_raises_the_expected_acceptance(token_loss):
+    torch.manual_seed(0)
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target)
+    cfg, plan = TrainConfig(noise_scale=0.0, token_loss=token_loss), StagePlan.for_stage(2, "griffin", steps=20)
+    batch = tiny_batch(target)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    alphas = []
+    for _ in range(20):
+        opt.zero_grad()
+        alphas.append(token_alignable_step(draft, batch, cfg, plan)["alpha_1"])
+        opt.step()
+    # the tiny random target's distributions are flat, so acceptance starts high: watch what is missing
+    assert 1 - alphas[-1] < 0.6 * (1 - alphas[0]), alphas
+
+
+def test_out_of_vocab_positions_leave_every_loss():
+    """With a reduced vocabulary, ``skip_out_of_vocab`` keeps exactly the positions whose target argmax
+    (over the full vocabulary) is a draft token, EAGLE-3's rule."""
+    torch.manual_seed(0)
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target, d2t=torch.arange(0, 128, 2))
+    batch, plan = tiny_batch(target), StagePlan.for_stage(2, "griffin", steps=1)
+    argmax = (batch.target_features @ target.head_weight.T).argmax(-1)  # (B, T) target ids
+    expected = float((batch.loss_mask * (argmax % 2 == 0)).sum() / batch.loss_mask.sum())
+    assert 0 < expected < 1
+    cfg = TrainConfig(noise_scale=0.0, skip_out_of_vocab=True)
+    m = token_alignable_step(draft, batch, cfg, plan, backward=False, target_head=target.head_weight)
+    assert m["mask_kept_1"] == pytest.approx(expected)
+    assert token_alignable_step(draft, batch, TrainConfig(), plan, backward=False)["mask_kept_1"] == 1.0
+    with pytest.raises(ValueError, match="target_head"):
+        token_alignable_step(draft, batch, cfg, plan, backward=False)
+
+
+def _ddp_full_backprop(rank: int, port: int, out: str) -> None:
+    """One rank: a DDP-wrapped GRIFFIN-3 draft, one full-TTT step (three forwards, one backward)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    target = make_target("llama", num_hidden_layers=5)
+    draft = GriffinDraft.for_target(target, variant="griffin3")
+    batch = variant_batch(target, draft, seed=rank)  # each rank its own rows
+    model = DistributedDataParallel(draft, broadcast_buffers=False)
+    token_alignable_step(model, batch, TrainConfig(noise_scale=0.0), StagePlan.for_stage(3, "griffin3", steps=1), draft=draft)
+    if rank == 0:
+        torch.save({n: p.grad for n, p in draft.named_parameters()}, out)
+    dist.destroy_process_group()
+
+
+def test_full_backprop_under_ddp_matches_one_process(tmp_path):
+    """Under DDP (as Ray Train wraps the draft), full TTT backprop's three forwards and one backward
+    give every rank the mean of the two ranks' single-process gradients."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_full_backprop, args=(port, str(tmp_path / "grads.pt")), nprocs=2, join=True)
+    ddp = torch.load(tmp_path / "grads.pt", weights_only=True)
+    torch.manual_seed(0)
+    target = make_target("llama", num_hidden_layers=5)
+    draft = GriffinDraft.for_target(target, variant="griffin3")
+    for rank in (0, 1):  # gradients accumulate over the two ranks' batches
+        token_alignable_step(draft, variant_batch(target, draft, seed=rank), TrainConfig(noise_scale=0.0),
+                             StagePlan.for_stage(3, "griffin3", steps=1))
+    for name, param in draft.named_parameters():
+        torch.testing.assert_close(ddp[name], param.grad / 2, rtol=1e-4, atol=1e-7, msg=name)
