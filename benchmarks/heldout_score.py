@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from griffin.losses import shift_batch, shift_left  # noqa: E402
 from griffin.target import fast_bf16  # noqa: E402
 from griffin.training import acceptance_counts, acceptance_metrics, teacher_ids  # noqa: E402
-from griffin.weights import load_draft  # noqa: E402
+from griffin.checkpoint import load_draft  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.resources import load_target  # noqa: E402
 from pipeline.store import pad_batches, part_files  # noqa: E402

@@ -21,7 +21,7 @@ from torch.profiler import record_function  # named ranges for benchmarks/round_
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.model import GriffinDraft, KVCache
-from griffin.sampling import next_token, verify
+from griffin.verify import next_token, verify
 from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import draft_tree
 

@@ -240,7 +240,7 @@ class TargetAdapter:
     def weights_sha256(self) -> str:
         """sha256 over every weight tensor of the target as loaded (computed once)."""
         if self._weights_sha256 is None:
-            from griffin.weights import tensors_sha256
+            from griffin.checkpoint import tensors_sha256
 
             self._weights_sha256 = tensors_sha256(self.model.state_dict())
         return self._weights_sha256

@@ -26,7 +26,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.weights import atomic_write_json, tensors_sha256
+from griffin.checkpoint import atomic_write_json, tensors_sha256
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress, say
 from pipeline.resources import draft_for_run, load_draft, load_questions, load_target, target_fingerprint

@@ -30,7 +30,8 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, export_draft, read_draft_config, weights_sha256
+from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config, weights_sha256
+from griffin.export import export_draft
 from pipeline.config import RunConfig
 from pipeline.runtime import setup_mlflow
 from pipeline.resources import ARTIFACT_KEY, check_lineage, load_target, resolve_draft

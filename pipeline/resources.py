@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from griffin.target import TargetAdapter, resolve_dtype
-from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, load_draft as bind_draft, read_draft_config
+from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_draft as bind_draft, read_draft_config
 from pipeline.config import RunConfig, TargetSection
 
 logger = logging.getLogger(__name__)
@@ -196,9 +196,9 @@ def load_draft(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype: to
 
 
 def save_draft(draft: Any, path: str | Path, target: TargetAdapter, provenance: dict[str, Any] | None = None) -> Path:
-    """``griffin.weights.save_draft`` with the target's fingerprint recorded, so it loads through
+    """``griffin.checkpoint.save_draft`` with the target's fingerprint recorded, so it loads through
     ``load_draft`` (tests, tools and exports that make drafts outside ``griffin train``)."""
-    from griffin.weights import save_draft as write_draft
+    from griffin.checkpoint import save_draft as write_draft
 
     return write_draft(draft, path, {**(provenance or {}), "target": target_fingerprint(target)})
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, read_draft_config
+from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config
 from pipeline.config import RunConfig
 from pipeline.resources import REPO, check_lineage, load_draft, load_target, resolve_draft
 

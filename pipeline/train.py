@@ -32,7 +32,7 @@ from griffin.model import GriffinDraft
 from griffin.target import fast_bf16, release_freed_memory
 from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
                               train_step)
-from griffin.weights import load_draft, save_draft, tensors_sha256
+from griffin.checkpoint import load_draft, save_draft, tensors_sha256
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.console import Progress, say
 from pipeline.runtime import ensure_ray, setup_mlflow

@@ -96,7 +96,7 @@ def test_rejects_bad_requests():
 
 def _exact_joint(target, prompt, sampling):
     """P(first, second) of the target's own sampling: (V, V)."""
-    from griffin.sampling import warp_probs
+    from griffin.verify import warp_probs
 
     V = target.vocab_size
     with torch.no_grad():
@@ -112,7 +112,7 @@ def _exact_joint(target, prompt, sampling):
 def test_sampling_matches_target_end_to_end(variant, sampling, n):
     """Joint law of the first two sampled tokens (the second goes through tree verification) ==
     the target's, by a chi-square test over n seeded generations (the 20k-draw test of the
-    verifier itself is in test_sampling.py). EAGLE-3 reads the target's layer 2 (of 5)."""
+    verifier itself is in test_verify.py). EAGLE-3 reads the target's layer 2 (of 5)."""
     from scipy.stats import chisquare
 
     target = make_target("llama", vocab_size=8, seed=7, **({"num_hidden_layers": 5} if variant == "eagle3" else {}))

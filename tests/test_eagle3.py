@@ -160,7 +160,7 @@ def test_training_time_test_learns_without_a_feature_loss(target, variant, stage
 
 @pytest.mark.parametrize("variant", MULTI)
 def test_save_and_load_round_trip(target, variant, tmp_path):
-    from griffin.weights import load_draft, save_draft
+    from griffin.checkpoint import load_draft, save_draft
 
     draft = GriffinDraft.for_target(target, variant=variant, d2t=torch.arange(0, 128, 2))
     torch.nn.init.normal_(draft.feature_fc.weight)

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from griffin.model import GriffinDraft
-from griffin.weights import CONFIG_NAME, WEIGHTS_NAME, export_draft, load_export, save_draft
+from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, save_draft
+from griffin.export import export_draft, load_export
 from tests.conftest import make_target
 
 SPECULATORS_SITE = Path(sys.prefix) / "speculators"  # `make test` installs it there

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from griffin.model import GriffinDraft
-from griffin.weights import save_draft
+from griffin.checkpoint import save_draft
 from pipeline import registry
 from pipeline.config import load_config
 from pipeline import resources

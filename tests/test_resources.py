@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from griffin.model import GriffinDraft
-from griffin.weights import save_draft as save_without_lineage
+from griffin.checkpoint import save_draft as save_without_lineage
 from pipeline import resources
 from pipeline.config import load_config
 from tests.conftest import AUDIT, REPO

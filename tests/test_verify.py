@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from griffin.config import SamplingConfig
-from griffin.sampling import VerifyResult, sample_one, verify_greedy, verify_sampling, warp_probs
+from griffin.verify import VerifyResult, sample_one, verify_greedy, verify_sampling, warp_probs
 from griffin.tree import _assemble
 
 V = 5

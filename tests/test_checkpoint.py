@@ -1,4 +1,4 @@
-"""griffin.weights: strict save/load, export maps (docs/method.md §2.5) and their round trips."""
+"""griffin.checkpoint and griffin.export: strict save/load, export maps (docs/method.md §2.5) and their round trips."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import torch
 
 from griffin.config import DraftConfig
 from griffin.model import GriffinDraft, count_trainable
-from griffin.weights import (
-    CONFIG_NAME, UPSTREAM_WEIGHTS_NAME, WEIGHTS_NAME, export_draft, load_draft, load_export, save_draft,
-    weights_sha256,
-)
+from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_draft, save_draft, weights_sha256
+from griffin.export import UPSTREAM_WEIGHTS_NAME, export_draft, load_export
 from tests.conftest import TINY, make_target
 
 

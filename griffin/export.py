@@ -1,152 +1,19 @@
-"""Draft directories: save, strict load, and export maps (docs/design.md §6).
-
-A draft directory holds ``config.json`` (HF LlamaConfig fields + ``architectures: ["GriffinDraft"]``
-+ our ``DraftConfig`` + provenance) and ``model.safetensors`` with the trainable weights (and the
-``d2t`` map of a reduced vocabulary) but never the frozen target embedding / LM head, which are
-re-bound from the target on load.
-"""
+"""Export formats of a draft directory: the name maps (data) and ``export_draft`` / ``load_export``
+(docs/design.md §6). Layouts: griffin-upstream, hf, speculators and specforge (EAGLE-3)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from griffin.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, bind_state, atomic_write, atomic_write_json, check_compatible,
+                                draft_config_json, read_draft_config)
 from griffin.config import DraftConfig
 from griffin.model import GriffinDraft
-
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
-
-
-def draft_config_json(cfg: DraftConfig, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
-    """HF LlamaConfig-shaped fields (what upstream loaders read) plus the exact DraftConfig."""
-    return {
-        "architectures": ["GriffinDraft"],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "num_hidden_layers": 1,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.active_vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu",
-        "bias": cfg.fc_bias,
-        "griffin": cfg.model_dump(),
-        "provenance": provenance or {},
-    }
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def save_draft(draft: GriffinDraft, path: str | Path, provenance: dict[str, Any] | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (trainable weights and d2t only)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{WEIGHTS_NAME}.")
-    os.close(fd)
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-    os.replace(tmp, path / WEIGHTS_NAME)
-    atomic_write_json(path / CONFIG_NAME, draft_config_json(draft.cfg, provenance))
-    return path
-
-
-def read_draft_config(path: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
-    """The DraftConfig and the full config.json of a draft directory."""
-    config_path = Path(path) / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: a draft directory needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-    raw = json.loads(config_path.read_text())
-    if "griffin" not in raw:
-        raise ValueError(f"{config_path} has no 'griffin' section: not a draft saved by griffin.weights.save_draft")
-    return DraftConfig(**raw["griffin"]), raw
-
-
-def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """The one weights hash of the project: sha256 over every tensor's name, shape and bytes, in
-    name order. A target's state dict, a draft directory's file and a training checkpoint are all
-    identified by it, independent of file metadata and of where the files live. Floating tensors
-    are hashed as bf16, so the same weights loaded in bf16 or fp32 (the dtype depends on the
-    machine) are the same weights, while any other model differs."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(tensors.items()):
-        canonical = tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{canonical.dtype}".encode())
-        digest.update(canonical.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def weights_sha256(path: str | Path) -> str:
-    """``tensors_sha256`` of a draft directory's weights file."""
-    return tensors_sha256(load_file(Path(path) / WEIGHTS_NAME))
-
-
-def check_compatible(cfg: DraftConfig, target: Any) -> None:
-    """Refuse a draft built for another target (width and vocabulary must match)."""
-    problems = []
-    if cfg.hidden_size != target.hidden_size:
-        problems.append(f"hidden_size {cfg.hidden_size} != target {target.hidden_size}")
-    if cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {cfg.vocab_size} != target {target.vocab_size}")
-    layers = target.hf_config.get_text_config().num_hidden_layers
-    if cfg.feature_layers and max(cfg.feature_layers) > layers:
-        problems.append(f"feature_layers {list(cfg.feature_layers)} beyond the target's {layers} layers")
-    if problems:
-        raise ValueError(f"draft does not fit target {target.name!r}: " + "; ".join(problems))
-
-
-def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Strict key and shape check with a message that lists every problem."""
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(state) & set(expected) if state[k].shape != expected[k].shape
-    )
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"cannot load {source}: missing keys {missing}; unexpected keys {unexpected}; shape mismatches {shapes}"
-        )
-
-
-def load_draft(path: str | Path, target: Any, dtype: torch.dtype | None = None) -> GriffinDraft:
-    """Load a draft directory and bind it to ``target``'s frozen embedding and LM head."""
-    cfg, _ = read_draft_config(path)
-    check_compatible(cfg, target)
-    weights = Path(path) / WEIGHTS_NAME
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found")
-    return _bind(cfg, load_file(weights), target, str(weights), dtype)
-
-
-def _bind(cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source: str,
-          dtype: torch.dtype | None = None) -> GriffinDraft:
-    """Build on meta, check keys and shapes strictly, then adopt the tensors."""
-    with torch.device("meta"):
-        draft = GriffinDraft(cfg, target.embed_weight, target.head_weight, state.get("d2t"))
-    check_state_dict(draft, state, source)
-    draft.load_state_dict(state, strict=True, assign=True)
-    draft = draft.to(target.device)
-    return draft.cast_parameters(dtype) if dtype is not None else draft
-
 
 # ---- export layouts (the name maps are data) -----------------------------------
 # Each map is {our state-dict name: the layout's name}. Frozen target tensors are not ours to map:
@@ -467,7 +334,7 @@ def load_export(path: str | Path, target: Any, dtype: torch.dtype | None = None)
     check_compatible(cfg, target)
     if embed is not None and embed.shape != target.embed_weight.shape:
         raise ValueError(f"{path}: embed_tokens {tuple(embed.shape)} != target's {tuple(target.embed_weight.shape)}")
-    return _bind(cfg, state, target, str(path), dtype)
+    return bind_state(cfg, state, target, str(path), dtype)
 
 
 def _export_config(cfg: DraftConfig, provenance: dict[str, Any], layout: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -512,14 +379,11 @@ def export_draft(path: str | Path, out: str | Path, layout: str, target: Any,
         config = eagle3_config(cfg, layout, tensors["fc.weight"].dtype, verifier_config, provenance)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{weights_name}.")
-    os.close(fd)
     if layout == "griffin-upstream":
-        torch.save(tensors, tmp)
+        atomic_write(out / weights_name, lambda tmp: torch.save(tensors, tmp))
     else:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a copied export from other users (a serving account)
-    os.replace(tmp, out / weights_name)
+        atomic_write(out / weights_name,
+                     lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
     atomic_write_json(out / CONFIG_NAME, config)
     _check_export(out, cfg, state, embed)
     load_export(out, target)  # and it binds to the target strictly
