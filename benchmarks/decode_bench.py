@@ -26,7 +26,7 @@ from griffin.decode import vanilla_generate
 from griffin.model import GriffinDraft, KVCache
 from griffin.target import TargetAdapter
 from griffin.tree import draft_tree
-from pipeline.resources import load_questions
+from pipeline.resources.questions import load_questions
 
 OUT = Path(__file__).parent
 

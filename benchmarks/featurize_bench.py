@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import store as st
+from pipeline.data import store as st
 from pipeline.config import config_from_dict
-from pipeline.featurize import Featurizer, _prepare, plan_parts, run_featurize, token_batches
+from pipeline.data.featurize import Featurizer, _prepare, plan_parts, run_featurize, token_batches
 
 OUT = Path(__file__).parent
 LLAMA3_8B_HIDDEN, SHAREGPT_68K = 4096, 68_000

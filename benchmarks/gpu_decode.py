@@ -1,6 +1,6 @@
 """The shipped SmolLM2 GRIFFIN draft on a GPU: tau and speedup against vanilla and HF ``generate``.
 
-Runs the evaluation's own protocol (``pipeline.evaluate.evaluate_dataset``: every question turn
+Runs the evaluation's own protocol (``pipeline.evaluate.evaluate.evaluate_dataset``: every question turn
 through every method back to back, T=0 divergences located with their logit gap) on
 ``--device`` (default cuda), with several trees at once, in phases run in priority order:
 fp32 T=0 (the lossless check: speculative must equal vanilla token for token), bf16 T=0, fp32 T=1.
@@ -24,9 +24,11 @@ import torch
 
 from griffin.config import TreeConfig
 from pipeline.config import load_config
-from pipeline.evaluate import _warm_up, evaluate_dataset, hf_decoder, local_decoder
-from pipeline.report import hardware, summarize
-from pipeline.resources import load_draft, load_questions, load_target
+from pipeline.evaluate.evaluate import _warm_up, evaluate_dataset, hf_decoder, local_decoder
+from pipeline.evaluate.report import hardware, summarize
+from pipeline.resources.drafts import load_draft
+from pipeline.resources.questions import load_questions
+from pipeline.resources.targets import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "jobs" / "configs" / "smollm2-long.yaml"

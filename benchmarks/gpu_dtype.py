@@ -20,7 +20,7 @@ import torch
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from griffin.model import GriffinDraft
-from pipeline.targets import build_tiny_target
+from pipeline.resources.targets import build_tiny_target
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,

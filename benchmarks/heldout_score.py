@@ -34,9 +34,9 @@ from griffin.target import fast_bf16  # noqa: E402
 from griffin.training import acceptance_counts, acceptance_metrics, teacher_ids  # noqa: E402
 from griffin.checkpoint import load_draft  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.resources import load_target  # noqa: E402
-from pipeline.store import pad_batches, part_files  # noqa: E402
-from pipeline.train_data import eval_split, split_rows  # noqa: E402
+from pipeline.resources.targets import load_target  # noqa: E402
+from pipeline.data.store import pad_batches, part_files  # noqa: E402
+from pipeline.train.batches import eval_split, split_rows  # noqa: E402
 
 CONFIG = ROOT / "jobs" / "configs" / "smollm2-long.yaml"
 STEPS = 5

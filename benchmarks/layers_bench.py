@@ -1,6 +1,6 @@
 """Multi-layer feature store benchmark: what EAGLE-3's low/mid/high layers cost featurize.
 
-The featurize actor's own code (``pipeline.featurize.Featurizer``: the target forward, the NaN check,
+The featurize actor's own code (``pipeline.data.featurize.Featurizer``: the target forward, the NaN check,
 the codec) runs over the same padded batches with no feature layers (GRIFFIN, HASS, EAGLE-2) and
 with SmolLM2's default EAGLE-3 layers (2, 15, 27), each in bf16 and fp8, interleaved batch by batch in one process so that
 the shared machine's load hits both alike. Each batch is written as a part (``part_table`` +
@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from griffin.config import default_feature_layers  # noqa: E402
-from pipeline import store as st  # noqa: E402
+from pipeline.data import store as st  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
-from pipeline.featurize import Featurizer, _prepare, plan_parts, token_batches  # noqa: E402
+from pipeline.data.featurize import Featurizer, _prepare, plan_parts, token_batches  # noqa: E402
 
 OUT = Path(__file__).parent
 

@@ -3,7 +3,7 @@ prompts, at several batch sizes (goal: >= 0.85x the bare call's generated tokens
 
 Both sides answer the first user turn of the same ShareGPT conversations greedily with the same
 ``max_new_tokens``. "bare" is what a user would write: the chat template through the tokenizer,
-left padding, one ``model.generate`` per batch. "ours" is ``pipeline.regenerate.Regenerator.answer``
+left padding, one ``model.generate`` per batch. "ours" is ``pipeline.data.regenerate.Regenerator.answer``
 (special-token-safe rendering, per-row stop handling, decoding to text). The two alternate per batch
 size and repeat; we report medians of tokens/s and of the per-repeat ratio.
 
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import load_config  # noqa: E402
-from pipeline.regenerate import Regenerator  # noqa: E402
-from pipeline.sources import Ledger, load_conversations  # noqa: E402
+from pipeline.data.regenerate import Regenerator  # noqa: E402
+from pipeline.data.sources import Ledger, load_conversations  # noqa: E402
 
 OUT = Path(__file__).parent
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "smollm2-quick.yaml"

@@ -26,9 +26,10 @@ from griffin.config import TreeConfig  # noqa: E402
 from griffin.decode import acceptance_length as tau, speculative_generate  # noqa: E402
 from griffin.replay import GREEDY, greedy_reference, replay_greedy  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.report import hardware  # noqa: E402
-from pipeline.resources import load_draft, load_target  # noqa: E402
-from pipeline.tune import DEPTHS, calibration_prompts  # noqa: E402
+from pipeline.evaluate.report import hardware  # noqa: E402
+from pipeline.resources.drafts import load_draft  # noqa: E402
+from pipeline.resources.targets import load_target  # noqa: E402
+from pipeline.evaluate.tune import DEPTHS, calibration_prompts  # noqa: E402
 
 OUT = Path(__file__).parent / "replay"
 DRAFT = "drafts/smollm2-135m-instruct/griffin"

@@ -30,8 +30,9 @@ from griffin.config import SamplingConfig, TreeConfig  # noqa: E402
 from griffin.decode import speculative_generate  # noqa: E402
 from griffin.target import TargetAdapter  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.openai_api import render_chat  # noqa: E402
-from pipeline.resources import load_draft, load_questions  # noqa: E402
+from pipeline.data.chat import render_chat  # noqa: E402
+from pipeline.resources.drafts import load_draft  # noqa: E402
+from pipeline.resources.questions import load_questions  # noqa: E402
 
 OUT = Path(__file__).parent
 RANGES = ("griffin.draft_tree", "griffin.draft.catch_up", "griffin.draft.level_step", "griffin.draft.head_topk",

@@ -3,8 +3,8 @@ reduced draft vocabulary, peak memory per configuration, and the LLaMA3-8B train
 
 Real SmolLM2-135M-Instruct features: a small store built with the project's own featurization
 (``run_featurize`` on ``jobs/configs/smollm2-quick.yaml`` with ``data.limit`` / ``data.max_len``
-overridden), read back in-process with ``pipeline.store`` and ``shift_batch`` exactly as training
-does (``pipeline.train_data.shifted_batches``, batch_tokens 2048). Each of the 6 configurations
+overridden), read back in-process with ``pipeline.data.store`` and ``shift_batch`` exactly as training
+does (``pipeline.train.batches.shifted_batches``, batch_tokens 2048). Each of the 6 configurations
 (stage 1/2/3 x vocabulary 49152/8192) owns a GRIFFIN draft with fp32 master weights, AdamW and the
 warm-up scheduler, and runs ``griffin.training.train_step(..., bf16=True)`` - the pure-PyTorch step
 the Ray Train loop calls. Timing: one warm-up step per configuration, then rounds; in round r every
@@ -48,9 +48,9 @@ from griffin.config import TrainConfig  # noqa: E402
 from griffin.model import GriffinDraft, count_trainable  # noqa: E402
 from griffin.training import make_optimizer, make_scheduler, train_step  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.store import iter_rows, part_files  # noqa: E402
-from pipeline.targets import load_target  # noqa: E402
-from pipeline.train_data import reduced_vocabulary, shifted_batches  # noqa: E402
+from pipeline.data.store import iter_rows, part_files  # noqa: E402
+from pipeline.resources.targets import load_target  # noqa: E402
+from pipeline.train.batches import reduced_vocabulary, shifted_batches  # noqa: E402
 
 OUT = Path(__file__).parent
 BASE_CONFIG = "jobs/configs/smollm2-quick.yaml"
@@ -69,7 +69,7 @@ def overrides(args) -> list[str]:
 
 def build_store(cfg, reuse: bool) -> dict:
     """The project's own featurization (Ray Data actor pool); resumes/skips when the store is done."""
-    from pipeline.featurize import run_featurize
+    from pipeline.data.featurize import run_featurize
 
     if not reuse:
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
@@ -92,7 +92,7 @@ def config_name(stage: int, vocab: int) -> str:
 
 
 class Trainer:
-    """One configuration: draft (fp32 master weights, like pipeline/train.py) + AdamW + scheduler."""
+    """One configuration: draft (fp32 master weights, like pipeline/train/driver.py) + AdamW + scheduler."""
 
     def __init__(self, target, stage: int, d2t: torch.Tensor | None):
         torch.manual_seed(0)
@@ -419,7 +419,7 @@ Arithmetic:
 - Attention of pass J: {heads} heads x T x J*T scores = {heads} x {T} x {T} x J = {heads * T * T / 1e9:.2f} G x J elements.
   With a fused kernel (SDPA's memory-efficient kernel takes a boolean mask) nothing of that size is stored; on the
   math path scores and probabilities are kept in bf16: 2 x 2 B x {heads * T * T / 1e9:.2f} G x J = {2 * 2 * heads * T * T / GB:.2f} GB x J.
-- As implemented today, `draft.float()` in `pipeline/train.py` also turns the frozen embedding and head buffers
+- As implemented today, `draft.float()` in `pipeline/train/driver.py` also turns the frozen embedding and head buffers
   into fp32 (+{2 * Vl * H * 2 / GB:.2f} GB), and `GriffinDraft.logits` multiplies by the fp32 head under autocast,
   so every logits call makes a bf16 copy of the head ({Vl * H * 2 / GB:.2f} GB, kept for the pass's backward).
   Keeping the frozen buffers bf16 saves ~{3 * Vl * H * 2 / GB:.1f} GB per GPU at this vocabulary.
@@ -549,7 +549,7 @@ def main() -> None:
 
 def coverage(store: str, d2t: torch.Tensor) -> float:
     """Fraction of the store's tokens that the reduced vocabulary contains."""
-    from pipeline.train_data import token_frequencies
+    from pipeline.train.batches import token_frequencies
 
     counts = token_frequencies(store, set())
     keep = set(d2t.tolist())

@@ -1,5 +1,5 @@
 """Resident memory of a training worker once its draft is built: with the whole target kept beside
-the draft (before) or lent and dropped (``pipeline.train._worker_draft``, now).
+the draft (before) or lent and dropped (``pipeline.train.driver._worker_draft``, now).
 
 Each arm runs in its own fresh process, three times alternating, builds what a ``griffin train``
 worker of the config builds before its first step (on the CPU), and reads its RSS from

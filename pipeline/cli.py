@@ -19,20 +19,20 @@ from pipeline.config import RunConfig, load_config
 
 # command -> ("module:function", help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "assets": ("pipeline.assets_cli:run_assets", "prepare the target (PyPI asset -> safetensors cache)"),
-    "regenerate": ("pipeline.regenerate:run_regenerate", "the target answers the training conversations itself"),
-    "featurize": ("pipeline.featurize:run_featurize", "run the target over conversations into the feature store"),
-    "train": ("pipeline.train:run_train", "token-alignable training on Ray Train"),
-    "register": ("pipeline.registry:run_register", "register a trained draft in the MLflow registry"),
-    "export": ("pipeline.registry:run_export", "export a draft to another layout"),
-    "ship": ("pipeline.ship:run_ship", "write a measured draft with its model card into drafts/"),
-    "serve": ("pipeline.serve:run_serve", "serve target + draft with Ray Serve"),
-    "eval": ("pipeline.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
-    "tune-tree": ("pipeline.tune:run_tune_tree", "pick the tree budget that maximises expected tokens/s here"),
-    "bench-serve": ("pipeline.loadtest:run_bench_serve", "load-test the Serve endpoint"),
+    "assets": ("pipeline.resources.targets:run_assets", "prepare the target (PyPI asset -> safetensors cache)"),
+    "regenerate": ("pipeline.data.regenerate:run_regenerate", "the target answers the training conversations itself"),
+    "featurize": ("pipeline.data.featurize:run_featurize", "run the target over conversations into the feature store"),
+    "train": ("pipeline.train.driver:run_train", "token-alignable training on Ray Train"),
+    "register": ("pipeline.registry.register:run_register", "register a trained draft in the MLflow registry"),
+    "export": ("pipeline.registry.register:run_export", "export a draft to another layout"),
+    "ship": ("pipeline.registry.ship:run_ship", "write a measured draft with its model card into drafts/"),
+    "serve": ("pipeline.serve.app:run_serve", "serve target + draft with Ray Serve"),
+    "eval": ("pipeline.evaluate.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
+    "tune-tree": ("pipeline.evaluate.tune:run_tune_tree", "pick the tree budget that maximises expected tokens/s here"),
+    "bench-serve": ("pipeline.evaluate.loadtest:run_bench_serve", "load-test the Serve endpoint"),
     "run": ("pipeline.run:run_all", "every stage end to end"),
     "submit": ("pipeline.submit:run_submit", "submit one stage as a Ray job to --address"),
-    "mlflow-ui": ("pipeline.registry:run_mlflow_ui", "browse the run's MLflow store"),
+    "mlflow-ui": ("pipeline.registry.register:run_mlflow_ui", "browse the run's MLflow store"),
 }
 
 

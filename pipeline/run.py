@@ -38,7 +38,7 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     """``cfg`` decoding with the tree ``griffin tune-tree`` picks for this draft on this machine
     (a finished tuning of the same draft, with the same settings on the same machine, is reused)."""
     from griffin.config import TreeConfig
-    from pipeline.tune import reusable_tuning, run_tune_tree
+    from pipeline.evaluate.tune import reusable_tuning, run_tune_tree
 
     finished = reusable_tuning(cfg, model_uri)
     if finished is not None:
@@ -64,12 +64,12 @@ def results_table(summary: dict[str, Any]) -> str:
 
 
 def run_all(cfg: RunConfig) -> dict[str, Any]:
-    from pipeline.evaluate import run_eval
-    from pipeline.featurize import run_featurize
-    from pipeline.registry import promote, register
+    from pipeline.evaluate.evaluate import run_eval
+    from pipeline.data.featurize import run_featurize
+    from pipeline.registry.register import promote, register
     from pipeline.runtime import ensure_ray
-    from pipeline.resources import load_target
-    from pipeline.train import run_train
+    from pipeline.resources.targets import load_target
+    from pipeline.train.driver import run_train
 
     banner = Banners(cfg)
     started = banner.started
@@ -80,7 +80,7 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
         f"{target.dtype}, {target.device}")
     del target
     if "regenerate" in banner.steps:
-        from pipeline.regenerate import run_regenerate
+        from pipeline.data.regenerate import run_regenerate
 
         banner("regenerate")
         run_regenerate(cfg)

@@ -53,8 +53,9 @@ def tiny_deployment(tmp: Path, *overrides: str):
 
     from griffin.model import GriffinDraft
     from pipeline.config import load_config
-    from pipeline.resources import load_target, save_draft
-    from pipeline.serve import start_serve, stop_serve
+    from pipeline.resources.drafts import save_draft
+    from pipeline.resources.targets import load_target
+    from pipeline.serve.app import start_serve, stop_serve
 
     tiny = REPO / "jobs" / "configs" / "tiny.yaml"
     target = load_target(load_config(tiny, [f"output_dir={tmp}"]).target)

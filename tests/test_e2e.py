@@ -110,7 +110,7 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path):
     steps = [json.loads(x)["step"] for x in log.read_text().splitlines()]
     resumed = steps[len(steps_before):]
     assert resumed[0] > 1 and resumed[-1] == 40  # continued from a checkpoint, not from step 1
-    from pipeline.store import part_files, read_manifest
+    from pipeline.data.store import part_files, read_manifest
     import pyarrow.parquet as pq
 
     store = str(tmp_path / "kill" / "features")

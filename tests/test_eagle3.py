@@ -178,7 +178,7 @@ def test_save_and_load_round_trip(target, variant, tmp_path):
 def test_store_layers_column_round_trip(tmp_path, dtype):
     """The layers column (T, k, H) goes through the codec like ``hidden``; readers that do not ask for
     it never read it, and a version-1 part (no such column) reads as before."""
-    import pipeline.store as st
+    import pipeline.data.store as st
 
     T, k, H = 7, 3, 16
     hidden, stacked = torch.randn(T, H), torch.randn(T, k, H) * torch.tensor([0.1, 1.0, 30.0])[None, :, None]
@@ -213,10 +213,10 @@ def test_featurize_stores_the_layers_and_train_refuses_a_store_without_them(tmp_
     import json
 
     from pipeline.config import load_config
-    from pipeline.featurize import run_featurize
-    from pipeline.resources import load_target
-    from pipeline.store import decode_row, iter_rows, part_files, read_manifest
-    from pipeline.train import _check_store_layers
+    from pipeline.data.featurize import run_featurize
+    from pipeline.resources.targets import load_target
+    from pipeline.data.store import decode_row, iter_rows, part_files, read_manifest
+    from pipeline.train.driver import _check_store_layers
 
     data = tmp_path / "conversations.json"
     data.write_text(json.dumps(CONVERSATIONS))

@@ -8,9 +8,10 @@ import torch
 
 from griffin.model import GriffinDraft
 from pipeline.config import load_config
-from pipeline.evaluate import run_eval
-from pipeline.report import _acceptance
-from pipeline.resources import load_target, save_draft
+from pipeline.evaluate.evaluate import run_eval
+from pipeline.evaluate.report import _acceptance
+from pipeline.resources.drafts import save_draft
+from pipeline.resources.targets import load_target
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 QUESTIONS = [
@@ -69,8 +70,8 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     # the measured draft ships with a card that states what it delivers, and loads back bf16
     from safetensors.torch import load_file
 
-    from pipeline.resources import load_draft
-    from pipeline.ship import run_ship
+    from pipeline.resources.drafts import load_draft
+    from pipeline.registry.ship import run_ship
 
     shipped = run_ship(cfg, source=str(draft_dir), report=str(eval_dir / "report.json"), out=str(tmp_path / "ship"))
     card = json.loads((tmp_path / "ship" / "card.json").read_text())
@@ -85,7 +86,7 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
 def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, monkeypatch):
     """Killed in question 2, a rerun takes question 1 from the ledger, decodes 2 and 3, and reports all
     three; the ledger goes with the reports. A ledger from other settings is not reused."""
-    from pipeline import evaluate
+    from pipeline.evaluate import evaluate
 
     questions = tmp_path / "three.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
@@ -134,7 +135,7 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
 def test_griffin_run_reuses_a_finished_eval_only_with_the_same_settings(tmp_path, monkeypatch):
     """`griffin run` (reuse_finished) takes a finished evaluation's summary instead of decoding again,
     but only for the same config, weights and machine; `griffin eval` always measures afresh."""
-    from pipeline import evaluate
+    from pipeline.evaluate import evaluate
 
     questions = tmp_path / "one.jsonl"
     questions.write_text(json.dumps(QUESTIONS[2]) + "\n")

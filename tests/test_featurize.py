@@ -1,4 +1,4 @@
-"""pipeline.featurize on a real local Ray with the tiny target: features, round trip, resume,
+"""pipeline.data.featurize on a real local Ray with the tiny target: features, round trip, resume,
 capture-key refusal, --verify, the ledger; and one conversation through the real SmolLM2."""
 
 import json
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import store as st
+from pipeline.data import store as st
 from pipeline.config import load_config
-from pipeline.featurize import FAULT_ENV, Featurizer, run_featurize
-from pipeline.sources import Conversation, build_sample, clean_messages, record_id
-from pipeline.resources import load_target, target_fingerprint
+from pipeline.data.featurize import FAULT_ENV, Featurizer, run_featurize
+from pipeline.data.sources import Conversation, build_sample, clean_messages, record_id
+from pipeline.resources.targets import load_target, target_fingerprint
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
 

@@ -29,8 +29,8 @@ def tiny_section(device: str):
 
 
 def test_featurizer_on_cuda_matches_cpu():
-    from pipeline.featurize import Featurizer
-    from pipeline.store import decode_row
+    from pipeline.data.featurize import Featurizer
+    from pipeline.data.store import decode_row
 
     rng = np.random.default_rng(0)
     batch = {"sample_id": np.asarray(["a", "b"]), "input_ids": np.asarray(

@@ -276,7 +276,7 @@ def test_rayservice_builds_the_decoder_app(docs, manifests, cfg):
     (app,) = config["applications"]
     module_name, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module_name), attr)
-    assert builder is importlib.import_module("pipeline.serve").app_builder
+    assert builder is importlib.import_module("pipeline.serve.app").app_builder
     assert isinstance(builder(app["args"]), serve.Application)  # the args load the config; nothing runs
     args_cfg = load_config(REPO / app["args"]["config"], app["args"].get("overrides", []))
     assert config["http_options"]["port"] == args_cfg.serve.port

@@ -1,4 +1,4 @@
-"""pipeline.regenerate on a real local Ray with the tiny target: the target's own answers (equal to
+"""pipeline.data.regenerate on a real local Ray with the tiny target: the target's own answers (equal to
 unbatched greedy generation), every user turn in order with the target's earlier answers as
 history, resume after a kill with every conversation exactly once, refusal of a set made
 differently, and featurize reading ``data.source: regenerated``."""
@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import store as st
+from pipeline.data import store as st
 from pipeline.config import load_config
-from pipeline.featurize import run_featurize
-from pipeline.openai_api import render_chat
-from pipeline.regenerate import FAULT_ENV, Regenerator, run_regenerate
-from pipeline.sources import Ledger, load_conversations
+from pipeline.data.featurize import run_featurize
+from pipeline.data.chat import render_chat
+from pipeline.data.regenerate import FAULT_ENV, Regenerator, run_regenerate
+from pipeline.data.sources import Ledger, load_conversations
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
 

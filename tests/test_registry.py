@@ -14,11 +14,11 @@ import torch
 
 from griffin.model import GriffinDraft
 from griffin.checkpoint import save_draft
-from pipeline import registry
+from pipeline.registry import register as registry
 from pipeline.config import load_config
-from pipeline import resources
-from pipeline.resources import load_target, target_fingerprint
-from pipeline.targets import build_tiny_target
+from pipeline.resources import drafts
+from pipeline.resources.targets import load_target, target_fingerprint
+from pipeline.resources.targets import build_tiny_target
 from tests.conftest import free_port, make_target
 
 STARTUP_S = 180  # the MLflow server's start-up allowance
@@ -63,10 +63,10 @@ def test_register_alias_load(store, target, tmp_path):
     (tmp_path / "d" / "train_state.pt").write_bytes(b"optimizer state: not part of the model")
     info = registry.register(cfg, tmp_path / "d")
     assert info["created"] and info["version"] == 1 and info["aliases"] == ["candidate"]
-    resolved = resources.resolve_draft("models:/load-test@candidate", cfg)
+    resolved = drafts.resolve_draft("models:/load-test@candidate", cfg)
     assert sorted(p.name for p in resolved.iterdir()) == ["config.json", "model.safetensors"]
     for uri in ("models:/load-test@candidate", "models:/load-test/1", f"runs:/{info['run_id']}/draft"):
-        loaded = resources.load_draft(uri, target, cfg)
+        loaded = drafts.load_draft(uri, target, cfg)
         assert torch.equal(logits(loaded), logits(draft)), uri
     import mlflow
 
@@ -151,19 +151,19 @@ def test_wrong_target_refused(store, target, tmp_path):
     registry.register(cfg, tmp_path / "d")
     other = build_tiny_target(dict(cfg.target.tiny), torch.float32, seed=1)
     with pytest.raises(ValueError, match="target weights sha256"):
-        resources.load_draft("models:/lineage-refuse@candidate", other, cfg)
+        drafts.load_draft("models:/lineage-refuse@candidate", other, cfg)
     with pytest.raises(ValueError, match="target weights sha256"):
-        resources.load_draft(tmp_path / "d", other, cfg)
+        drafts.load_draft(tmp_path / "d", other, cfg)
     with pytest.raises(ValueError, match="vocab size"):
-        resources.load_draft(tmp_path / "d", make_target("llama"), cfg)
+        drafts.load_draft(tmp_path / "d", make_target("llama"), cfg)
     with pytest.raises(ValueError, match="cannot resolve"):
-        resources.load_draft("models:/lineage-refuse@champion", target, cfg)
+        drafts.load_draft("models:/lineage-refuse@champion", target, cfg)
     target.tokenizer.chat_template += "{# another template #}"
     target._fingerprint = None  # the fingerprint is computed once per target object
     try:
         for uri in ("models:/lineage-refuse@candidate", tmp_path / "d"):
             with pytest.raises(ValueError, match="chat template sha256") as refused:
-                resources.load_draft(uri, target, cfg)
+                drafts.load_draft(uri, target, cfg)
             assert "tokenizer" not in str(refused.value) and "target weights" not in str(refused.value)
     finally:
         target.tokenizer.chat_template = target.tokenizer.chat_template.removesuffix("{# another template #}")
@@ -223,6 +223,6 @@ def test_remote_server(mlflow_server, target, tmp_path):
     info = registry.register(cfg, tmp_path / "d")
     assert info["created"] and info["aliases"] == ["candidate"]
     assert registry.promote(cfg, info["version"], 1.5)["promoted"]
-    loaded = resources.load_draft(f"models:/{cfg.model_name}@champion", target, cfg)
+    loaded = drafts.load_draft(f"models:/{cfg.model_name}@champion", target, cfg)
     assert torch.equal(logits(loaded), logits(draft))
     assert registry.register(cfg, tmp_path / "d")["created"] is False

@@ -11,7 +11,7 @@ import torch
 
 from griffin.model import GriffinDraft
 from griffin.checkpoint import save_draft as save_without_lineage
-from pipeline import resources
+from pipeline.resources import drafts, questions, targets
 from pipeline.config import load_config
 from tests.conftest import AUDIT, REPO
 
@@ -23,33 +23,33 @@ def cfg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(cfg):
-    return resources.load_target(cfg.target)
+    return targets.load_target(cfg.target)
 
 
 def test_shipped_question_sets_are_the_benchmark_files():
     """MT-Bench: 80 questions of 2 turns; HumanEval: the 80-problem subset, all of it in the 164."""
-    mt_bench, subset, full = (resources.load_questions(name) for name in ("mt_bench", "humaneval", "humaneval_164"))
+    mt_bench, subset, full = (questions.load_questions(name) for name in ("mt_bench", "humaneval", "humaneval_164"))
     assert len(mt_bench) == 80 and all(len(q["turns"]) == 2 for q in mt_bench)
     assert [q["question_id"] for q in mt_bench] == list(range(81, 161))
     assert len(subset) == 80 and len(full) == 164
     assert {q["turns"][0] for q in subset} <= {q["turns"][0] for q in full}
     assert all(q["turns"][0].startswith("Complete the code I provided.") for q in full)
-    assert len(resources.load_questions("humaneval", 5)) == 5
-    assert resources.question_set("mt_bench").is_relative_to(REPO / "pipeline" / "data")
+    assert len(questions.load_questions("humaneval", 5)) == 5
+    assert questions.question_set("mt_bench").is_relative_to(REPO / "pipeline" / "resources" / "question_sets")
 
 
 def test_question_paths_and_bad_files(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps({"question_id": 7, "turns": ["Hi?"]}) + "\n")
-    assert resources.load_questions(str(path)) == [{"question_id": 7, "turns": ["Hi?"]}]
+    assert questions.load_questions(str(path)) == [{"question_id": 7, "turns": ["Hi?"]}]
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        resources.load_questions(str(tmp_path / "nope.jsonl"))
+        questions.load_questions(str(tmp_path / "nope.jsonl"))
     path.write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
     with pytest.raises(ValueError, match="mine.jsonl:1: 'turns'"):
-        resources.load_questions(str(path))
+        questions.load_questions(str(path))
     path.write_text("{not json\n")
     with pytest.raises(ValueError, match="mine.jsonl:1: not JSON"):
-        resources.load_questions(str(path))
+        questions.load_questions(str(path))
 
 
 def test_directory_draft_round_trip_and_refusals(cfg, target, tmp_path):
@@ -57,19 +57,19 @@ def test_directory_draft_round_trip_and_refusals(cfg, target, tmp_path):
     target's weights, tokenizer or template, is refused with the mismatch named."""
     torch.manual_seed(0)
     draft = GriffinDraft.for_target(target)
-    resources.save_draft(draft, tmp_path / "ok", target)
-    loaded = resources.load_draft(tmp_path / "ok", target, cfg)
+    drafts.save_draft(draft, tmp_path / "ok", target)
+    loaded = drafts.load_draft(tmp_path / "ok", target, cfg)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values()))
     save_without_lineage(draft, tmp_path / "bare")
     with pytest.raises(ValueError, match="records no target fingerprint"):
-        resources.load_draft(tmp_path / "bare", target, cfg)
+        drafts.load_draft(tmp_path / "bare", target, cfg)
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     config["provenance"]["target"]["tokenizer_sha256"] = "0" * 64
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"does not fit target 'tiny-llama': tokenizer sha256"):
-        resources.load_draft(tmp_path / "ok", target, cfg)
+        drafts.load_draft(tmp_path / "ok", target, cfg)
     with pytest.raises(FileNotFoundError, match="neither a directory"):
-        resources.load_draft("no-such-draft", target, cfg)
+        drafts.load_draft("no-such-draft", target, cfg)
 
 
 def test_draft_paths_resolve_from_the_project_root(cfg, target, tmp_path, monkeypatch):
@@ -77,7 +77,7 @@ def test_draft_paths_resolve_from_the_project_root(cfg, target, tmp_path, monkey
     shipped = sorted(p.parent for p in (REPO / "drafts").glob("*/*/config.json"))
     relative = str(shipped[0].relative_to(REPO)) if shipped else "jobs"  # any folder of the project
     monkeypatch.chdir(tmp_path)
-    assert resources.resolve_draft(relative, cfg) == REPO / relative
+    assert drafts.resolve_draft(relative, cfg) == REPO / relative
 
 
 def test_the_audit_hook_logs_opens_beside_the_checkout(tmp_path):
@@ -86,7 +86,7 @@ def test_the_audit_hook_logs_opens_beside_the_checkout(tmp_path):
     from sitecustomize import outside_checkout
 
     assert outside_checkout(str(REPO.parent / "a-sibling" / "data" / "x.jsonl"), str(REPO))
-    assert not outside_checkout(str(REPO / "pipeline" / "data" / "mt_bench.jsonl"), str(REPO))
+    assert not outside_checkout(str(REPO / "pipeline" / "resources" / "question_sets" / "mt_bench.jsonl"), str(REPO))
     # a checkout cloned into the temp folder: its siblings count, the tests' scratch there does not
     clone = os.path.join(os.path.realpath(tempfile.gettempdir()), "clone")
     assert outside_checkout(os.path.join(os.path.dirname(clone), "shared", "DESIGN.md"), clone)

@@ -12,8 +12,10 @@ from tests.conftest import tiny_deployment
 
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, GenerationStats, vanilla_generate
-from pipeline.openai_api import TextStream, completion_text, render_chat, sse_stream
-from pipeline.targets import tiny_tokenizer
+from pipeline.data.chat import render_chat
+from pipeline.serve.protocol import completion_text
+from pipeline.serve.sse import TextStream, sse_stream
+from pipeline.resources.targets import tiny_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 CHAT = "/v1/chat/completions"
@@ -30,7 +32,7 @@ def test_app_builder_loads_nothing(tmp_path):
     """Building the application only reads the config: the model loads in the replica."""
     from ray.serve import Application
 
-    from pipeline.serve import ServeArgs, app_builder
+    from pipeline.serve.app import ServeArgs, app_builder
 
     app = app_builder({"config": str(TINY), "overrides": f"output_dir={tmp_path} serve.num_replicas=2"})
     assert isinstance(app, Application)
@@ -118,7 +120,7 @@ def tail(result, n_tokens, hit):
 
 
 def sse_of(run, stops=(), max_new=1000):
-    from pipeline.serve import stream_rounds
+    from pipeline.serve.app import stream_rounds
 
     text = TextStream(tiny_tokenizer(), [tiny_tokenizer().eos_token_id], list(stops))
     return sse_stream(stream_rounds(run, text, max_new), text, HEAD, True, tail)
@@ -343,8 +345,8 @@ def test_concurrent_requests_all_correct(server):
 
 def test_bench_serve_and_eval_through_serve(server, tmp_path):
     """The load test and the evaluation both reuse the running endpoint."""
-    from pipeline.evaluate import run_eval
-    from pipeline.loadtest import run_bench_serve
+    from pipeline.evaluate.evaluate import run_eval
+    from pipeline.evaluate.loadtest import run_bench_serve
 
     load = run_bench_serve(server.cfg, levels=(1, 2), requests_per_level=2, max_tokens=4)
     assert load["errors"] == 0 and [level["requests"] for level in load["levels"]] == [2, 2, 2, 2]

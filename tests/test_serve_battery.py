@@ -23,8 +23,8 @@ from tests.conftest import OracleDraft, make_target, tiny_deployment
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import LogprobRecorder, speculative_generate, vanilla_generate
 from griffin.model import GriffinDraft
-from pipeline.openai_api import encode, render_chat
-from pipeline.targets import tiny_tokenizer
+from pipeline.data.chat import encode, render_chat
+from pipeline.resources.targets import tiny_tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -107,7 +107,7 @@ def test_plain_chats_render_as_before():
 
 
 def test_wedged_decode_fails_the_health_check():
-    from pipeline.serve import DecodeTrace, check_progress
+    from pipeline.serve.app import DecodeTrace, check_progress
 
     trace = DecodeTrace(arrived=0.0, max_new=8, speculative=True, stream=False)
     check_progress(None, 10.0)  # idle: healthy

@@ -1,4 +1,4 @@
-"""pipeline.sources: reading conversation sources, cleaning, selection, templating and loss masks."""
+"""pipeline.data.sources: reading conversation sources, cleaning, selection, templating and loss masks."""
 
 import json
 import shutil
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pipeline.config import DataSection
-from pipeline.sources import Conversation, Ledger, SkipSample, build_sample, load_conversations, record_id
-from pipeline.targets import tiny_tokenizer
+from pipeline.data.sources import Conversation, Ledger, SkipSample, build_sample, load_conversations, record_id
+from pipeline.resources.targets import tiny_tokenizer
 
 TWO_TURNS = ({"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
              {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": " It is 4.\nBye "})

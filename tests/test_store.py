@@ -1,4 +1,4 @@
-"""pipeline.store: feature codec, atomic parts and manifest, capture keys, resume bookkeeping, readers."""
+"""pipeline.data.store: feature codec, atomic parts and manifest, capture keys, resume bookkeeping, readers."""
 
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import store as st
+from pipeline.data import store as st
 
 H = 16
 

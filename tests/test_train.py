@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
-from pipeline.train import SCORE, run_train, stage_dir
+from pipeline.train.driver import SCORE, run_train, stage_dir
 
 CONVERSATIONS = [
     {"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
@@ -20,7 +20,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, ray_local):
     """A tiny-target feature store featurized once for the module."""
-    from pipeline.featurize import run_featurize
+    from pipeline.data.featurize import run_featurize
 
     root = tmp_path_factory.mktemp("train")
     data = root / "conversations.json"
@@ -126,8 +126,9 @@ def test_bad_configs_fail_clearly(store, tmp_path):
 
 def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
     from griffin.model import GriffinDraft
-    from pipeline.resources import load_target, save_draft
-    from pipeline.train import _checked_init
+    from pipeline.resources.drafts import save_draft
+    from pipeline.resources.targets import load_target
+    from pipeline.train.driver import _checked_init
 
     cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
     target = load_target(cfg.target)
@@ -148,7 +149,7 @@ def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
 def test_stage_lr_decay_spans_the_stage_unless_total_steps_is_set(tmp_path):
     """The worker gets the driver's stage plan: the linear decay ends with the stage (total_steps =
     stage steps) unless the YAML sets total_steps itself; the LR has one home, the schedule."""
-    from pipeline.train import stage_plan
+    from pipeline.train.driver import stage_plan
 
     cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
     stages = cfg.train.schedule
@@ -177,8 +178,8 @@ def test_a_worker_keeps_the_draft_and_the_head_but_not_the_target(monkeypatch):
     gone once it is built (only its embedding and head stay, bound to the draft)."""
     import weakref
 
-    import pipeline.train as train
-    from pipeline.resources import load_target
+    import pipeline.train.driver as train
+    from pipeline.resources.targets import load_target
 
     cfg = load_config("jobs/configs/tiny.yaml", ["draft.init_layer=0"])
     reference_target = load_target(cfg.target)

@@ -9,8 +9,9 @@ from griffin.config import TreeConfig
 from griffin.model import GriffinDraft
 from pipeline.cli import main
 from pipeline.config import load_config
-from pipeline.resources import load_target, save_draft
-from pipeline.tune import Candidate, coordinate_search, reusable_tuning, run_tune_tree, verify_cost_curve
+from pipeline.resources.drafts import save_draft
+from pipeline.resources.targets import load_target
+from pipeline.evaluate.tune import Candidate, coordinate_search, reusable_tuning, run_tune_tree, verify_cost_curve
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
 

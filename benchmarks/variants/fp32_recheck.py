@@ -3,7 +3,9 @@
 #   .venv/bin/python benchmarks/variants/fp32_recheck.py
 import torch, json
 from pipeline.config import load_config
-from pipeline.resources import load_target, load_draft, load_questions
+from pipeline.resources.drafts import load_draft
+from pipeline.resources.questions import load_questions
+from pipeline.resources.targets import load_target
 from griffin.decode import speculative_generate, vanilla_generate
 from griffin.config import SamplingConfig, TreeConfig
 cfg = load_config("jobs/configs/smollm2-variants.yaml", ["target.dtype=float32"])

@@ -2,7 +2,7 @@
 §5).
 
 The driver loads the target (for its tokenizer and fingerprint), selects and tokenizes the
-conversations (``pipeline.sources``), drops the sample ids the store already holds, and cuts the
+conversations (``pipeline.data.sources``), drops the sample ids the store already holds, and cuts the
 rest into parts of similar lengths. A Ray Data actor pool of ``PartWriter``s, each loading the
 target once, runs ``Featurizer`` over one part per call and writes it atomically; the driver
 records every finished part in the manifest as it arrives, so a killed run resumes where it
@@ -28,10 +28,18 @@ import torch
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
-from pipeline.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
-from pipeline.resources import feature_layers, load_target, target_fingerprint
-from pipeline.store import (ACTOR_REASONS, LAYER, encode_hidden, open_for_writing, part_table, verify_store,
-                            write_manifest, write_part)
+from pipeline.data.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
+from pipeline.resources.targets import feature_layers, load_target, target_fingerprint
+from pipeline.data.store import (
+    ACTOR_REASONS,
+    LAYER,
+    encode_hidden,
+    open_for_writing,
+    part_table,
+    verify_store,
+    write_manifest,
+    write_part,
+)
 
 logger = logging.getLogger(__name__)
 

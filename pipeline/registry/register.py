@@ -34,10 +34,12 @@ from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config, wei
 from griffin.export import export_draft
 from pipeline.config import RunConfig
 from pipeline.runtime import setup_mlflow
-from pipeline.resources import ARTIFACT_KEY, check_lineage, load_target, resolve_draft
+from pipeline.resources.drafts import ARTIFACT_KEY, check_lineage, resolve_draft
+from pipeline.resources.targets import load_target
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 LOGGED_MODEL_NAME = "draft"
+VIOLATIONS_TAG = "eval.violations"  # model-version tag: T=0 divergences beyond a bf16 near-tie
 TARGET_TAGS = ("target_id", "target_weights_sha256", "tokenizer_sha256", "chat_template_sha256",
                "hidden_size", "vocab_size", "architecture")
 
@@ -51,7 +53,7 @@ class DraftPyfunc(mlflow.pyfunc.PythonModel):
     """The registered model: the draft directory as artifact ``draft``. A draft cannot propose
     tokens alone (its target's frozen embedding and LM head are deliberately not stored with it), so
     ``predict`` does not decode: it returns the draft's ``"config"``, ``"provenance"`` or
-    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``pipeline.resources.load_draft``."""
+    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``pipeline.resources.drafts.load_draft``."""
 
     def load_context(self, context) -> None:
         self.draft_dir = Path(context.artifacts[ARTIFACT_KEY])
@@ -194,8 +196,6 @@ def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchm
 
 def _refusal(candidate, champion, tau: float, benchmark: str) -> str | None:
     """Why ``candidate`` may not replace ``champion`` (None: it may)."""
-    from pipeline.report import VIOLATIONS_TAG
-
     if int(candidate.tags.get(VIOLATIONS_TAG, "0")):
         return (f"version {candidate.version} decoded {candidate.tags[VIOLATIONS_TAG]} T=0 generations that differ "
                 f"from vanilla beyond a bf16 near-tie (eval run {candidate.tags.get('eval_run_id')}): a lossless "

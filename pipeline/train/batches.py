@@ -25,7 +25,7 @@ import torch
 
 from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
-from pipeline.store import iter_rows, pad_batches, part_files
+from pipeline.data.store import iter_rows, pad_batches, part_files
 
 SHUFFLE_WINDOW = 256
 

@@ -120,8 +120,8 @@ def coordinate_search(score: Callable[[TreeConfig], Candidate], start: TreeConfi
 
 def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torch.Tensor]:
     """First turns of the last ``count`` questions, spread over ``eval.datasets``."""
-    from pipeline.resources import load_questions
-    from pipeline.openai_api import render_chat
+    from pipeline.resources.questions import load_questions
+    from pipeline.data.chat import render_chat
 
     per_dataset = max(1, -(-count // len(cfg.eval.datasets)))
     prompts = []
@@ -134,7 +134,7 @@ def calibration_prompts(cfg: RunConfig, tokenizer: Any, count: int) -> list[torc
 def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: int) -> dict[str, Any]:
     """What a tuning's answer depends on: the draft, the target and its dtype, the calibration, the
     search and the machine (a verify that is cheap on one CPU or GPU is dear on another)."""
-    from pipeline.report import machine_identity
+    from pipeline.evaluate.report import machine_identity
 
     return {"draft": draft_uri, "target": cfg.target.model_dump(mode="json"), "datasets": list(cfg.eval.datasets),
             "prompts": prompts, "max_new_tokens": max_new_tokens, "sweeps": cfg.decode.tune_sweeps,
@@ -144,7 +144,7 @@ def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: 
 def reusable_tuning(cfg: RunConfig, draft_uri: str) -> dict[str, Any] | None:
     """The finished ``tune_tree.json`` of this run when it tuned exactly what a new tuning with the
     config's defaults would (same draft, settings and machine), else None."""
-    from pipeline.resources import canonical_draft_uri
+    from pipeline.resources.drafts import canonical_draft_uri
 
     report = cfg.run_dir / "tune_tree" / "tune_tree.json"
     if not report.is_file():
@@ -158,7 +158,8 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
                   max_new_tokens: int | None = None) -> dict[str, Any]:
     """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides.
     Calibration defaults to ``decode.tune_prompts`` x ``decode.tune_max_new_tokens``."""
-    from pipeline.resources import draft_for_run, load_target
+    from pipeline.resources.drafts import draft_for_run
+    from pipeline.resources.targets import load_target
 
     prompts, max_new_tokens = prompts or cfg.decode.tune_prompts, max_new_tokens or cfg.decode.tune_max_new_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

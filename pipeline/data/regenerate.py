@@ -32,12 +32,12 @@ import torch
 
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
-from pipeline.featurize import run_part_actors
-from pipeline.openai_api import render_chat
-from pipeline.resources import load_target, target_fingerprint
+from pipeline.data.featurize import run_part_actors
+from pipeline.data.chat import render_chat
+from pipeline.resources.targets import load_target, target_fingerprint
 from pipeline.runtime import ensure_ray
-from pipeline.sources import Conversation, Ledger, load_conversations
-from pipeline.store import open_for_writing, write_manifest, write_part
+from pipeline.data.sources import Conversation, Ledger, load_conversations
+from pipeline.data.store import open_for_writing, write_manifest, write_part
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ generations.jsonl, tau.png, speedup.png, acceptance_histogram.png) and logs it t
 the draft's registered model version. While it runs, ``eval/unfinished.jsonl`` holds the finished
 questions, so a killed evaluation resumes (``EvalLedger``); ``eval/finished.json``, written last, lets
 ``griffin run`` reuse a completed one with the same key (``eval_key``). Protocol and metric definitions:
-``pipeline.report.DEFINITIONS`` (docs/design.md §8, docs/method.md §6): every question turn goes
+``pipeline.evaluate.report.DEFINITIONS`` (docs/design.md §8, docs/method.md §6): every question turn goes
 through every method back to back (GRIFFIN, vanilla in the same implementation, ``extra_drafts``, HF
 ``generate``, HF prompt lookup, HF assisted generation), same prompt, budget, sampling and seed. With ``through_serve`` GRIFFIN and vanilla
 go through the HTTP endpoint (client-side wall time); the rest stay in-process.
@@ -29,9 +29,12 @@ from griffin.decode import speculative_generate, vanilla_generate
 from griffin.checkpoint import atomic_write_json, tensors_sha256
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress, say
-from pipeline.resources import draft_for_run, load_draft, load_questions, load_target, target_fingerprint
-from pipeline.openai_api import completion_text, render_chat
-from pipeline.report import log_report, machine_identity, summarize, write_reports
+from pipeline.resources.drafts import draft_for_run, load_draft
+from pipeline.resources.questions import load_questions
+from pipeline.resources.targets import load_target, target_fingerprint
+from pipeline.data.chat import render_chat
+from pipeline.serve.protocol import completion_text
+from pipeline.evaluate.report import log_report, machine_identity, summarize, write_reports
 
 logger = logging.getLogger(__name__)
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value for prompt_lookup_num_tokens
@@ -152,7 +155,7 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
     """GRIFFIN and vanilla through the endpoint (started with ``draft_uri`` when none is running)."""
     import httpx
 
-    from pipeline.serve import ensure_serving
+    from pipeline.serve.app import ensure_serving
 
     if draft_uri is None:
         raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
@@ -369,7 +372,7 @@ def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) ->
                    for record in evaluate_dataset(name, items, temperature, methods, cfg, target, progress, ledger)]
     finally:
         if started:
-            from pipeline.serve import stop_serve
+            from pipeline.serve.app import stop_serve
 
             stop_serve()
     report = summarize(records, list(methods), cfg, target, draft_uri)

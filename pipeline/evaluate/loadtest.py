@@ -29,7 +29,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::")
 
 
 def _prompts(cfg: RunConfig, count: int) -> list[str]:
-    from pipeline.resources import load_questions
+    from pipeline.resources.questions import load_questions
 
     try:
         questions = load_questions(cfg.eval.datasets[0], count)
@@ -135,7 +135,7 @@ def run_bench_serve(cfg: RunConfig, levels: tuple[int, ...] = LEVELS, requests_p
     without one); ``requests_per_level`` defaults to 2 x concurrency (at least 4)."""
     import httpx
 
-    from pipeline.serve import ensure_serving, stop_serve
+    from pipeline.serve.app import ensure_serving, stop_serve
 
     if cfg.serve.host not in LOCAL_HOSTS:
         raise ValueError(f"bench-serve only targets 127.0.0.1; serve.host is {cfg.serve.host!r}")

@@ -36,9 +36,10 @@ from griffin.checkpoint import load_draft, save_draft, tensors_sha256
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.console import Progress, say
 from pipeline.runtime import ensure_ray, setup_mlflow
-from pipeline.store import check_capture_key, part_files
-from pipeline.resources import check_lineage, draft_feature_layers, load_target, resolve_draft, target_fingerprint
-from pipeline.train_data import eval_split, rank_rows, reduced_vocabulary, shifted_batches, split_rows
+from pipeline.data.store import check_capture_key, part_files
+from pipeline.resources.drafts import check_lineage, resolve_draft
+from pipeline.resources.targets import draft_feature_layers, load_target, target_fingerprint
+from pipeline.train.batches import eval_split, rank_rows, reduced_vocabulary, shifted_batches, split_rows
 
 SCORE = "eval/sim_accept_len"
 

@@ -1,7 +1,7 @@
 """Ray Serve: the target + a GRIFFIN draft behind an OpenAI-style HTTP API.
 
 ``app_builder({"config": "jobs/configs/tiny.yaml"})`` -> Application (also ``serve run
-pipeline.serve:app_builder config=...``); ``start_serve(cfg) -> url`` / ``stop_serve()`` for tests
+pipeline.serve.app:app_builder config=...``); ``start_serve(cfg) -> url`` / ``stop_serve()`` for tests
 and jobs; ``run_serve(cfg)`` is ``griffin serve`` (prints the URL, blocks until Ctrl-C).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream: true`` = server-sent events in
@@ -50,9 +50,20 @@ from griffin.config import SamplingConfig
 from griffin.decode import (GenerationResult, GenerationStats, LogprobRecorder, TokenCallback, speculative_generate,
                             vanilla_generate)
 from pipeline.config import RunConfig, config_from_dict, load_config
-from pipeline.openai_api import (ApiError, ChatRequest, CompletionRequest, LogprobFormatter, SamplingRequest,
-                                 StreamLogprobs, TextStream, completion_text, content_tokens, encode, parse_request,
-                                 render_chat, speculative_block, sse_stream, stop_sequences)
+from pipeline.data.chat import encode, render_chat
+from pipeline.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    LogprobFormatter,
+    SamplingRequest,
+    completion_text,
+    content_tokens,
+    parse_request,
+    speculative_block,
+    stop_sequences,
+)
+from pipeline.serve.sse import StreamLogprobs, TextStream, sse_stream
 
 logger = logging.getLogger("ray.serve")
 APP_NAME = "griffin"
@@ -339,7 +350,8 @@ class SpeculativeDecoder:
     /health, /v1/models, /stats and those rejections never queue behind completions."""
 
     def __init__(self, run_config: dict[str, Any]):
-        from pipeline.resources import load_draft, load_target
+        from pipeline.resources.drafts import load_draft
+        from pipeline.resources.targets import load_target
 
         cfg = config_from_dict(run_config)
         self.target = load_target(cfg.target, decoding=True)

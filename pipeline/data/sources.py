@@ -38,7 +38,7 @@ _SEPARATORS = re.compile(r"[\s,]*")  # between the records of a JSON array
 _READ_CHARS = 1 << 20
 _BATCH_ROWS = 1024  # rows decoded at a time from a save_to_disk directory's Arrow files
 _FILE_SUFFIXES = {".json", ".jsonl", ".ndjson", ".parquet", ".arrow"}  # a missing path like these is no hub id
-REGENERATED_MANIFEST = "_manifest.json"  # pipeline.store.MANIFEST, with "kind": "regenerated"
+REGENERATED_MANIFEST = "_manifest.json"  # pipeline.data.store.MANIFEST, with "kind": "regenerated"
 _HUB_ID = re.compile(r"\w[\w.-]*/[\w.-]+")  # org/name
 
 

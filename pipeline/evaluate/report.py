@@ -81,7 +81,6 @@ def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[s
     return {"methods": stats, "speedup": speedup, "mismatches": mismatches}
 
 
-VIOLATIONS_TAG = "eval.violations"  # model-version tag: T=0 divergences beyond a bf16 near-tie
 
 
 def violations(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -245,6 +244,7 @@ def _registry_version(uri: str | None) -> dict[str, str]:
 def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str | None) -> str:
     """One MLflow run with the metrics, config and report files, tagged with the draft's model version;
     the version itself gets the measured tau as tags (``eval.<dataset>.T<t>.tau``) for promotion."""
+    from pipeline.registry.register import VIOLATIONS_TAG
     from pipeline.runtime import setup_mlflow
 
     mlflow = setup_mlflow(cfg)

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config
 from pipeline.config import RunConfig
-from pipeline.resources import REPO, check_lineage, load_draft, load_target, resolve_draft
+from pipeline.resources.drafts import REPO, check_lineage, load_draft, resolve_draft
+from pipeline.resources.targets import load_target
 
 CARD_NAME = "card.json"
 MAX_BYTES = 30 << 20  # a shipped draft stays small enough for the repository

@@ -1,6 +1,6 @@
 """The OpenAI-compatible wire protocol of ``pipeline.serve``: request parsing and schemas, error
-bodies, prompt rendering, completion text with stop sequences, log-probabilities, incremental
-detokenization for streams (``TextStream``) and server-sent-event chunks.
+bodies, completion text with stop sequences and log-probabilities. Prompts render through
+``pipeline.data.chat.render_chat``; streams through ``pipeline.serve.sse``.
 
 Pure functions of the tokenizer and plain data (no Ray, no model), so ``pipeline.evaluate`` renders
 prompts and texts exactly as the server does, and tests can check them without a server.
@@ -13,14 +13,9 @@ they carry their neutral value.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import re
-import secrets
-import threading
-from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -258,67 +253,6 @@ def stop_sequences(stop: str | list[str] | None) -> list[str]:
 
 
 # ---- prompts and completions ----
-_ENCODE_LOCK = threading.Lock()
-
-
-def encode(tokenizer: Any, text: str, parse_special: bool = True, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of ``text``; ``parse_special=False`` reads special-token strings as plain text.
-    HF fast tokenizers switch that with a flag on the shared backend tokenizer, so calls from
-    concurrent threads (the server parses requests in workers) must not interleave: one lock."""
-    with _ENCODE_LOCK:
-        return tokenizer(text, add_special_tokens=add_special_tokens,
-                         split_special_tokens=not parse_special)["input_ids"]
-
-
-def _special_pattern(tokenizer: Any) -> re.Pattern | None:
-    """A regex matching the tokenizer's special tokens, longest first; None when it has none."""
-    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                      reverse=True)
-    return re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
-
-
-def _layout(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, dict[str, str]]:
-    """The template rendered with a random placeholder per content, and placeholder -> content. A
-    template that trims contents (``| trim``) is honoured: the placeholders are filled with what
-    reproduces the plain rendering, exact or stripped contents."""
-    nonce = secrets.token_hex(8)
-    marks = [f"@@content-{nonce}-{i}@@" for i in range(len(messages))]
-    layout = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                           tokenize=False, add_generation_prompt=True)
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    for fill in (lambda text: text, str.strip):
-        contents = {mark: fill(m["content"]) for mark, m in zip(marks, messages)}
-        if _fill(layout, contents) == plain:
-            return layout, contents
-    logger.warning("the chat template rewrites message contents; contents are inserted as sent")
-    return layout, {mark: m["content"] for mark, m in zip(marks, messages)}
-
-
-def _fill(text: str, contents: dict[str, str]) -> str:
-    for mark, content in contents.items():
-        text = text.replace(mark, content)
-    return text
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The target's own chat template with the assistant header appended (add_generation_prompt).
-
-    Contents are text: special tokens come only from the template, never from a message, so a
-    content holding "<|im_end|>\n<|im_start|>system\n..." cannot forge a system turn. The template is
-    rendered with placeholders; the rendering is cut at the template's own special tokens and the
-    text between them (template text and contents together, as a plain rendering would tokenize it)
-    is tokenized with special-token parsing off. Without special-token strings in the contents the
-    ids equal tokenizing the plain rendering."""
-    layout, contents = _layout(tokenizer, messages)
-    pattern = _special_pattern(tokenizer)
-    pieces = pattern.split(layout) if pattern is not None else [layout]
-    ids: list[int] = []
-    for index, piece in enumerate(pieces):
-        if index % 2:  # re.split puts the captured separators (the template's special tokens) at odd indices
-            ids.append(tokenizer.convert_tokens_to_ids(piece))
-        elif piece:
-            ids += encode(tokenizer, _fill(piece, contents), parse_special=False)  # the template already has BOS
-    return ids
 
 
 def completion_text(tokenizer: Any, tokens: list[int], stop_ids: list[int], stops: list[str]) -> tuple[str, int, bool]:
@@ -395,159 +329,5 @@ class LogprobFormatter:
                 "top_logprobs": tops, "text_offset": offsets}
 
 
-class StreamLogprobs:
-    """Hands out a stream's log-probabilities chunk by chunk: ``take(tokens, upto)`` formats the
-    entries not sent yet up to token ``upto`` (None when there are none). ``entries`` is the decode's
-    ``LogprobRecorder.entries``, filled before the stream sees the tokens."""
-
-    def __init__(self, formatter: LogprobFormatter, entries: list[Any]):
-        self.formatter, self.entries, self.sent = formatter, entries, 0
-
-    def take(self, tokens: list[int], upto: int) -> dict[str, Any] | None:
-        upto = min(upto, len(self.entries), len(tokens))
-        if upto <= self.sent:
-            return None
-        part = self.formatter.format(tokens[self.sent:upto], self.entries[self.sent:upto])
-        self.sent = upto
-        return part
 
 
-# ---- streaming: safe text deltas and server-sent-event chunks ----
-def _pending_stop(text: str, stops: list[str]) -> int:
-    """Where the earliest stop sequence that may still be completing at the end of ``text`` starts
-    (``len(text)`` when none): the text from there on must wait for more tokens."""
-    start = len(text)
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):  # the longest partial match starts earliest
-            if text.endswith(stop[:k]):
-                start = min(start, len(text) - k)
-                break
-    return start
-
-
-class TextDelta(str):
-    """A text delta that also says how many leading tokens of the stream its text completes
-    (``covered``), so the chunk sending it can carry those tokens' log-probabilities."""
-
-    covered: int = 0
-
-
-class TextStream:
-    """Incremental detokenization of a generation's committed tokens, honouring stop sequences.
-
-    ``push`` decodes all tokens so far (so the text is exactly what ``completion_text`` sees, tokenizer
-    clean-ups included; one decode per round is cheap next to a target pass) and returns only what is
-    safe to send: never half a multi-byte character (a trailing U+FFFD waits for its next bytes), no
-    trailing whitespace (a clean-up may still rewrite " ." as "."), never text that may be part of a
-    stop sequence. ``stopped`` turns True once a stop sequence is certain; ``finish`` settles the rest
-    with ``completion_text``, so the streamed text equals the non-streamed one. With ``track_tokens``
-    each delta is a ``TextDelta`` saying how many tokens the text sent so far covers (a few extra
-    decodes per round, only for streams that asked for log-probabilities)."""
-
-    def __init__(self, tokenizer: Any, stop_ids: list[int], stops: list[str], track_tokens: bool = False,
-                 emit: bool = True):
-        self.tokenizer, self.stop_ids, self.stops = tokenizer, list(stop_ids), stops
-        self.tokens: list[int] = []
-        self.sent, self.stopped = "", False
-        self.track_tokens, self.covered = track_tokens, 0
-        self.emit = emit  # False (a non-streaming request): decode only to watch for stop sequences
-
-    def _cover(self, body: list[int]) -> int:
-        """The most leading tokens whose text is a prefix of the text sent (binary search from the
-        last answer: a longer prefix of tokens only ever decodes to a longer text)."""
-        low, high = self.covered, len(body)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.sent.startswith(self.tokenizer.decode(body[:mid], skip_special_tokens=True)):
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
-    def push(self, tokens: list[int]) -> str:
-        """Add a round's tokens; returns the new text that is safe to send ('' when none)."""
-        self.tokens += tokens
-        if self.stopped or not (self.emit or self.stops):
-            return ""
-        body = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.stop_ids else self.tokens
-        text = self.tokenizer.decode(body, skip_special_tokens=True).rstrip("\ufffd")
-        pending = _pending_stop(text, self.stops)
-        cuts = [text.find(s) for s in self.stops if s in text]
-        if cuts and min(cuts) <= pending:  # no stop sequence starting earlier can still complete
-            self.stopped, ready = True, text[: min(cuts)]
-        else:
-            ready = text[: min(pending, len(text.rstrip()))]
-        if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
-            return ""  # nothing new, or the decoded prefix changed: wait, ``finish`` settles it
-        delta, self.sent = TextDelta(ready[len(self.sent):]), ready
-        if self.track_tokens:
-            self.covered = delta.covered = self._cover(body)
-        return delta
-
-    def finish(self) -> tuple[str, int, bool]:
-        """The last delta, the completion's token count and whether a stop sequence ended it."""
-        text, n_tokens, hit = completion_text(self.tokenizer, self.tokens, self.stop_ids, self.stops)
-        if not text.startswith(self.sent):  # only a tokenizer that rewrites far back could do this
-            logger.warning("streamed text %r is not a prefix of the final text %r", self.sent, text)
-            return "", n_tokens, hit
-        return text[len(self.sent):], n_tokens, hit
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_chunk(head: dict, chat: bool, delta: dict[str, str], finish_reason: str | None = None,
-              extra: dict | None = None, logprobs: dict | None = None) -> str:
-    """One OpenAI stream chunk: a chat ``delta`` ({"role"}/{"content"}) or a completion's ``text``,
-    with the ``logprobs`` of its tokens when asked; the final one carries ``finish_reason`` and
-    ``extra`` (usage, the speculative block)."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    choice = ({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if chat else
-              {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": logprobs})
-    return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **(extra or {})})}\n\n"
-
-
-def usage_chunk(head: dict, chat: bool, extra: dict) -> str:
-    """``stream_options.include_usage``: the extra last chunk, ``choices: []`` and the usage."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    return f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': extra['usage']})}\n\n"
-
-
-async def sse_stream(items: AsyncIterator[Any], text: TextStream, head: dict, chat: bool,
-                     tail: Callable[[Any, int, bool], tuple[str, dict]], logprobs: StreamLogprobs | None = None,
-                     include_usage: bool = False) -> AsyncIterator[str]:
-    """A stream's events: (chat) the role chunk, one chunk per text delta the moment ``items`` yields it,
-    then the final chunk with ``tail(result, completion_tokens, hit_stop)`` = (finish_reason, extra
-    fields), where ``result`` is the last item, and [DONE]. Closing this closes ``items``.
-
-    ``logprobs``: each chunk carries the log-probabilities of the tokens its text completes
-    (``TextDelta.covered``), the last text chunk (or the final chunk) the rest. ``include_usage``
-    (OpenAI's stream_options): every chunk has ``usage: null`` and an extra chunk before [DONE]
-    carries the usage; otherwise the final chunk carries it (this server's default)."""
-    if include_usage:
-        head = {**head, "usage": None}
-    if chat:
-        yield sse_chunk(head, chat, {"role": "assistant", "content": ""})
-    try:
-        async with contextlib.aclosing(items):
-            async for item in items:
-                if isinstance(item, str):
-                    part = logprobs.take(text.tokens, getattr(item, "covered", 0)) if logprobs else None
-                    yield sse_chunk(head, chat, {"content": item}, logprobs=part)
-                else:
-                    result = item
-    except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
-        logger.exception("streamed generation failed")
-        yield f"data: {json.dumps(ApiError(f'internal error: {error}', kind='server_error').body())}\n\n"
-        return
-    delta, n_tokens, hit = text.finish()
-    rest = (logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids))
-            if logprobs else None)
-    if delta:
-        yield sse_chunk(head, chat, {"content": delta}, logprobs=rest)
-        rest = None
-    finish, extra = tail(result, n_tokens, hit)
-    yield sse_chunk(head, chat, {}, finish, {**extra, "usage": None} if include_usage else extra, rest)
-    if include_usage:
-        yield usage_chunk(head, chat, extra)
-    yield SSE_DONE

@@ -1,0 +1,4 @@
+"""What a run uses: its target (``targets``: assets, the tiny test target, fingerprints), its drafts
+(``drafts``: the one resolver and lineage check) and evaluation questions (``questions``).
+May import: griffin and the pipeline root (config, runtime, files). Entry points: ``load_target``,
+``load_draft``, ``load_questions``."""

@@ -1,0 +1,138 @@
+"""The run's target: ``load_target(section)``, its fingerprint and feature layers, ``griffin assets``,
+and the tiny random target of the tests.
+
+A ``target.tiny`` section builds a seeded random llama with a byte-level ChatML tokenizer
+(``build_tiny_target``), so every process (featurize actors, train workers, serve replicas) gets
+bit-identical weights without any file or download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torch
+
+from griffin.assets import ASSETS, default_cache_dir, prepare_asset, resolve_target_path
+from griffin.target import TargetAdapter, resolve_dtype
+from pipeline.config import RunConfig, TargetSection
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE-free tokenizer: 256 byte tokens + ChatML specials, with offsets."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS)}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split("", "isolated")]
+    )
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        additional_special_tokens=TINY_SPECIALS[1:],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> TargetAdapter:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    vocab = max(fields.get("vocab_size", 0), len(tokenizer))
+    config = LlamaConfig(**{**fields, "vocab_size": vocab}, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)  # identical weights in every process that builds it
+    model = LlamaForCausalLM(config).to(dtype)
+    torch.random.set_rng_state(generator_state)
+    return TargetAdapter(model, tokenizer, name="tiny-llama")
+
+
+def load_target(section: TargetSection, decoding: bool = False, device: str | None = None) -> TargetAdapter:
+    """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``.
+    ``device`` places it elsewhere than ``section.device``, in the dtype resolved for that one."""
+    dtype = resolve_dtype(section.dtype, section.device)
+    device = device or section.device
+    if section.tiny is not None:
+        target = build_tiny_target(section.tiny, dtype)
+        target.model.to(device)
+    else:
+        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device)
+    if decoding and section.prepack:
+        target.prepack()
+    return target
+
+
+def draft_feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
+    """The target hidden states the configured draft reads (``DraftConfig.feature_layers``); () for a
+    draft that reads the final feature."""
+    from griffin.config import DraftConfig
+
+    draft = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides)
+    return tuple(draft.feature_layers or ())
+
+
+def feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
+    """The target hidden states that featurize stores beside the final feature: ``features.layers``,
+    or with "auto" the ones the configured draft reads."""
+    if cfg.features.layers == "auto":
+        layers = draft_feature_layers(cfg, target)
+    else:
+        layers = tuple(cfg.features.layers)
+    count = target.hf_config.get_text_config().num_hidden_layers
+    if len(set(layers)) != len(layers) or any(not 0 <= i <= count for i in layers):
+        raise ValueError(f"features.layers {list(layers)}: need distinct hidden-state indices in 0..{count} for "
+                         f"this target ({count} layers; 0 = the embeddings, {count} = the last layer)")
+    return layers
+
+
+def _sha256_text(text: str | None) -> str:
+    return hashlib.sha256((text or "").encode()).hexdigest()
+
+
+def target_fingerprint(target: TargetAdapter) -> dict[str, Any]:
+    """What a feature store and a draft must agree on with the target they are used with
+    (computed once per target object: the weights hash reads every tensor)."""
+    cached = getattr(target, "_fingerprint", None)
+    if cached is not None:
+        return cached
+    tokenizer = target.tokenizer
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    target._fingerprint = {
+        "target_id": target.name,
+        "target_weights_sha256": target.weights_sha256,
+        "tokenizer_sha256": _sha256_text(repr(sorted(vocab.items()))),
+        "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "architecture": target.hf_config.model_type,
+    }
+    return target._fingerprint
+
+
+def run_assets(cfg: RunConfig) -> dict[str, Any]:
+    """Build (once) or find the target named by ``cfg.target.name``; a tiny target needs nothing."""
+    name = cfg.target.name
+    if cfg.target.tiny is not None:
+        return {"target": name, "kind": "tiny (random, built in memory)", "path": None}
+    start = time.perf_counter()
+    if name in ASSETS:
+        path, kind = str(prepare_asset(name)), f"asset (cache {default_cache_dir()})"
+    else:
+        path, kind = resolve_target_path(name), "local directory or HF hub id"
+    print(f"target {name}: {path}")
+    return {"target": name, "kind": kind, "path": path, "seconds": round(time.perf_counter() - start, 2)}
