@@ -1,0 +1,33 @@
+"""Every benchmark script imports (its work sits under ``if __name__ == "__main__"``), so a moved or renamed
+project function cannot leave a script dead without a failing test."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((REPO / "benchmarks").rglob("*.py"))
+
+
+def _runs_only_as_main(tree: ast.Module) -> bool:
+    """No top-level statement but imports, definitions, assignments, docstrings and the ``__main__`` guard."""
+    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
+             ast.AnnAssign, ast.If, ast.Expr, ast.Try)
+    return all(isinstance(node, quiet) for node in tree.body)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO / "benchmarks")))
+def test_benchmark_script_imports(script, monkeypatch):
+    """The script's project imports resolve and importing it runs nothing."""
+    tree = ast.parse(script.read_text())
+    assert _runs_only_as_main(tree), f"{script.name}: top-level work outside `if __name__ == '__main__'`"
+    monkeypatch.syspath_prepend(str(script.parent))  # scripts that import a sibling script
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
