@@ -120,7 +120,7 @@ def tail(result, n_tokens, hit):
 
 
 def sse_of(run, stops=(), max_new=1000):
-    from pipeline.serve.app import stream_rounds
+    from pipeline.serve.engine import stream_rounds
 
     text = TextStream(tiny_tokenizer(), [tiny_tokenizer().eos_token_id], list(stops))
     return sse_stream(stream_rounds(run, text, max_new), text, HEAD, True, tail)
@@ -163,7 +163,7 @@ def test_sse_stream_stops_the_decode_at_a_stop_sequence():
     content = "".join(parse(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert content == "one two " and final["choices"][0]["finish_reason"] == "stop"
     n_stop = len(tiny_tokenizer()("one two thr")["input_ids"])
-    assert final["usage"]["completion_tokens"] == n_stop and calls[-1] == "_StopDecoding"
+    assert final["usage"]["completion_tokens"] == n_stop and calls[-1] == "StopDecoding"
     assert calls[-2] == (n_stop - 1) // 2 and final["rounds"] == (n_stop - 1) // 2  # no round after it
 
 
@@ -182,13 +182,13 @@ def test_sse_stream_closed_by_the_client_ends_the_decode():
         await events.aclose()
         gate.set()
         for _ in range(100):  # the worker thread ends on its own: wait for it, not for the clock
-            if "_StopDecoding" in calls:
+            if "StopDecoding" in calls:
                 break
             await asyncio.sleep(0.05)
 
     asyncio.run(leave_early())
     # round 0's callback may already see the close (it posted the chunk we read), else round 1's does
-    assert calls in ([0, "_StopDecoding"], [0, 1, "_StopDecoding"])
+    assert calls in ([0, "StopDecoding"], [0, 1, "StopDecoding"])
 
 
 def greedy_text(target, prompt_ids, max_new):

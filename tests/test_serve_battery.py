@@ -107,7 +107,7 @@ def test_plain_chats_render_as_before():
 
 
 def test_wedged_decode_fails_the_health_check():
-    from pipeline.serve.app import DecodeTrace, check_progress
+    from pipeline.serve.engine import DecodeTrace, check_progress
 
     trace = DecodeTrace(arrived=0.0, max_new=8, speculative=True, stream=False)
     check_progress(None, 10.0)  # idle: healthy

@@ -30,12 +30,10 @@ import contextlib
 import functools
 import logging
 import math
-import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,7 @@ from ray import serve
 from ray.serve import Application
 
 from griffin.config import SamplingConfig
-from griffin.decode import (GenerationResult, GenerationStats, LogprobRecorder, TokenCallback, speculative_generate,
+from griffin.decode import (GenerationResult, LogprobRecorder, TokenCallback, speculative_generate,
                             vanilla_generate)
 from pipeline.config import RunConfig, config_from_dict, load_config
 from pipeline.data.chat import encode, render_chat
@@ -60,14 +58,17 @@ from pipeline.serve.protocol import (
     completion_text,
     content_tokens,
     parse_request,
+    read_body,
     speculative_block,
     stop_sequences,
 )
+from pipeline.serve.engine import (ClientGone, DecodeTrace, Job, Once, StopDecoding, check_progress, stream_rounds,
+                                   until_done)
+from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.sse import StreamLogprobs, TextStream, sse_stream
 
 logger = logging.getLogger("ray.serve")
 APP_NAME = "griffin"
-DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 api = FastAPI(title="GRIFFIN speculative decoding")
 
 
@@ -75,267 +76,6 @@ def served_model_name(cfg: RunConfig) -> str:
     return cfg.serve.model_name or cfg.target_slug
 
 
-# ---- streaming: the decode in a worker thread, its rounds as server-sent events ----
-class _StopDecoding(Exception):
-    """Raised from the per-round callback to end a decode early; the worker catches it."""
-
-
-def _result_from_rounds(rounds: list[list[int]]) -> GenerationResult:
-    """A decode stopped early returns nothing: rebuild its result from the callbacks (the first is the
-    prefill's token, each later one a round: its accepted draft tokens + 1; a vanilla round is 1 token)."""
-    stats = GenerationStats(rounds=len(rounds) - 1, accepted_per_round=[len(r) - 1 for r in rounds[1:]])
-    return GenerationResult([t for r in rounds for t in r], stats, "stop")
-
-
-async def stream_rounds(run: Callable[[TokenCallback], GenerationResult], text: TextStream,
-                        max_new: int, lock: asyncio.Lock | None = None) -> AsyncIterator[str | GenerationResult]:
-    """Runs ``run(on_tokens)`` (the decode) in a worker thread once ``lock`` (the replica's decode lock,
-    first come first served) is free; yields each round's text delta as soon as it is committed, then
-    the GenerationResult. The decode ends early once ``text`` has met a stop sequence or this iterator
-    is closed or cancelled (the client went away, the request timed out): at its next round, or before
-    it starts when that happens while waiting for the lock, so the lock is not held for nothing. Every
-    request, streaming or not, decodes through here: one mechanism for stopping early."""
-    loop, queue, closed, rounds = asyncio.get_running_loop(), asyncio.Queue(), threading.Event(), []
-
-    def post(item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def on_tokens(tokens: list[int]) -> None:  # in the worker: detokenizing here keeps the loop free
-        rounds.append(tokens)
-        delta = text.push(tokens)
-        if delta:
-            post(delta)
-        ending = len(text.tokens) >= max_new or tokens[-1] in text.stop_ids  # its last call anyway
-        if (text.stopped or closed.is_set()) and not ending:  # a finished decode keeps its exact stats
-            raise _StopDecoding
-
-    def work() -> None:
-        try:
-            outcome = run(on_tokens)
-        except _StopDecoding:
-            outcome = _result_from_rounds(rounds)
-        except BaseException as error:  # re-raised in the event loop, where the stream reports it
-            outcome = error
-        finally:
-            if lock is not None:  # the next decode may start only once this one is really over
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(lock.release)
-        post(outcome)
-
-    if lock is not None:
-        await lock.acquire()  # cancelled or closed while waiting: nothing ran, nothing to release
-    loop.run_in_executor(None, work)
-    try:
-        while isinstance(item := await queue.get(), str):
-            yield item
-    finally:
-        closed.set()  # early only when the consumer stopped listening: end the decode at its next round
-    if isinstance(item, BaseException):
-        raise item
-    yield item
-
-
-async def _last_item(items: AsyncIterator[Any]) -> Any:
-    """Drains ``items`` (a non-streaming request's decode) and returns its last item, the result."""
-    async with contextlib.aclosing(items):
-        async for item in items:
-            last = item
-    return last
-
-
-class _ClientGone(Exception):
-    """The client of a non-streaming request disconnected before its answer was ready."""
-
-
-async def until_done(items: AsyncIterator[Any], request: Request, poll_s: float = DISCONNECT_POLL_S) -> Any:
-    """A non-streaming request's result, watching its client meanwhile: when it disconnects (or this
-    coroutine is cancelled: Serve cancels a request whose client left or that timed out), the decode's
-    ``items`` are cancelled, which stops the decode at its next round (``stream_rounds``)."""
-    consumer = asyncio.ensure_future(_last_item(items))
-    try:
-        while True:
-            done, _ = await asyncio.wait({consumer}, timeout=poll_s)
-            if done:
-                return consumer.result()
-            if await _disconnected(request):
-                raise _ClientGone
-    finally:
-        consumer.cancel()  # a no-op once it is done
-
-
-async def _disconnected(request: Request) -> bool:
-    try:
-        return await request.is_disconnected()
-    except Exception:  # a receive channel that failed: Serve's own cancellation still applies
-        return False
-
-
-# ---- request bodies: bounded, read before anything else ----
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 when it exceeds ``limit`` bytes: at once from Content-Length, else
-    as soon as the chunks read so far pass the limit, so an oversized body is never buffered whole."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
-        raise _too_large(declared, limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(f"more than {limit}", limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(size: str, limit: int) -> ApiError:
-    return ApiError(f"the request body is {size} bytes; this server accepts at most {limit} bytes "
-                    "(serve.max_body_bytes): shorten the prompt", status=413, code="request_too_large")
-
-
-# ---- one request's decode, as the worker sees it: progress, stats and metrics ----
-class DecodeTrace:
-    """What one admitted request's decode did and when (``time.monotonic`` seconds): written by the
-    worker at each round, read by /stats, the metrics and ``check_health`` (a wedged decode is one
-    whose last round is long ago)."""
-
-    def __init__(self, arrived: float, max_new: int, speculative: bool, stream: bool):
-        self.arrived, self.max_new, self.speculative, self.stream = arrived, max_new, speculative, stream
-        self.started: float | None = None  # the decode lock was taken, the prefill begins
-        self.first_token: float | None = None
-        self.last_progress: float | None = None
-        self.ended: float | None = None
-        self.rounds: list[list[int]] = []
-        self.outcome = "waiting"  # -> decoding -> finished | stop_sequence | abandoned | error
-
-    def start(self) -> None:
-        self.started = self.last_progress = time.monotonic()
-        self.outcome = "decoding"
-
-    def round(self, tokens: list[int]) -> None:
-        now = time.monotonic()
-        self.first_token = self.first_token or now
-        self.last_progress = now
-        self.rounds.append(tokens)
-
-    def end(self, outcome: str) -> None:
-        self.ended, self.outcome = time.monotonic(), outcome
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r) for r in self.rounds)
-
-    def summary(self) -> dict[str, Any]:
-        """A JSON-able record for /stats."""
-        def since(moment: float | None, start: float | None) -> float | None:
-            return None if moment is None or start is None else round(moment - start, 4)
-
-        return {"outcome": self.outcome, "stream": self.stream, "speculative": self.speculative,
-                "max_tokens": self.max_new, "tokens": self.tokens, "rounds": max(len(self.rounds) - 1, 0),
-                "queued_s": since(self.started, self.arrived), "ttft_s": since(self.first_token, self.arrived),
-                "latency_s": since(self.ended, self.arrived)}
-
-
-def check_progress(trace: DecodeTrace | None, limit_s: float, now: float | None = None) -> None:
-    """Serve's health check: raises when the running decode has made no round for ``limit_s`` (a
-    wedged replica: Serve kills and replaces it). An idle replica is healthy."""
-    if trace is None or trace.last_progress is None or trace.ended is not None:
-        return
-    stalled = (time.monotonic() if now is None else now) - trace.last_progress
-    if stalled > limit_s:
-        raise RuntimeError(f"the running decode made no progress for {stalled:.0f}s (serve.stall_timeout_s="
-                           f"{limit_s:g}): the replica is wedged")
-
-
-LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
-TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
-RATE_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
-
-
-class ServeMetrics:
-    """Prometheus metrics through Ray (``ray.serve.metrics`` adds the deployment, replica and
-    application tags; Ray exports them on each node's metrics export port with a ``ray_`` prefix and,
-    for counters, a ``_total`` suffix). Spec-decode counters are named after vLLM's
-    (``vllm:spec_decode_num_drafts`` ...): drafts = verification rounds, draft tokens = the tree's
-    draft nodes verified per round, accepted tokens, and accepted tokens per position (a ``position``
-    tag: how often the k-th draft token of a round was accepted). Mean acceptance length =
-    1 + accepted / drafts."""
-
-    def __init__(self, model: str, draft_tokens_per_round: int):
-        from ray.serve import metrics
-
-        self.draft_tokens_per_round = draft_tokens_per_round
-        tags = ("model",)
-        self.drafts = metrics.Counter("griffin_spec_decode_num_drafts", "Speculative rounds (target verification "
-                                      "passes with a draft tree).", tags)
-        self.draft_tokens = metrics.Counter("griffin_spec_decode_num_draft_tokens", "Draft tokens verified "
-                                            "(tree nodes below the root, per round).", tags)
-        self.accepted = metrics.Counter("griffin_spec_decode_num_accepted_tokens", "Draft tokens accepted.", tags)
-        self.per_position = metrics.Counter("griffin_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
-                                            "accepted at each depth of the accepted path.", (*tags, "position"))
-        self.latency = metrics.Histogram("griffin_e2e_request_latency_seconds", "Arrival to last token.",
-                                         LATENCY_BUCKETS, tags)
-        self.ttft = metrics.Histogram("griffin_time_to_first_token_seconds", "Arrival to the first token "
-                                      "(queueing and prefill included).", TTFT_BUCKETS, tags)
-        self.rate = metrics.Histogram("griffin_output_tokens_per_second", "Completion tokens per second of "
-                                      "decode (prefill included, queueing not).", RATE_BUCKETS, tags)
-        self.waiting = metrics.Gauge("griffin_num_requests_waiting", "Admitted completions waiting for the "
-                                     "decode (the replica's queue).", tags)
-        self.running = metrics.Gauge("griffin_num_requests_running", "Completions decoding.", tags)
-        self.shed = metrics.Counter("griffin_num_requests_shed", "Completions refused with 503/429 because "
-                                    "the replica's queue was full.", tags)
-        for metric in (self.drafts, self.draft_tokens, self.accepted, self.per_position, self.latency, self.ttft,
-                       self.rate, self.waiting, self.running, self.shed):
-            metric.set_default_tags({"model": model})
-
-    def record(self, trace: DecodeTrace) -> None:
-        """One ended decode (abandoned ones too: their rounds ran)."""
-        accepted = [len(r) - 1 for r in trace.rounds[1:]]  # the first callback is the prefill's token
-        if trace.speculative and accepted:
-            self.drafts.inc(len(accepted))
-            self.draft_tokens.inc(len(accepted) * self.draft_tokens_per_round)
-            if sum(accepted):
-                self.accepted.inc(sum(accepted))
-            for position in range(max(accepted)):
-                hits = sum(a > position for a in accepted)
-                self.per_position.inc(hits, tags={"position": str(position)})
-        if trace.first_token is not None:
-            self.ttft.observe(trace.first_token - trace.arrived)
-        if trace.ended is not None:
-            self.latency.observe(trace.ended - trace.arrived)
-            if trace.started is not None and trace.ended > trace.started:
-                self.rate.observe(trace.tokens / (trace.ended - trace.started))
-
-    def queue(self, waiting: int, running: int) -> None:
-        self.waiting.set(waiting)
-        self.running.set(running)
-
-
-@dataclass
-class _Job:
-    """One parsed request and the objects its decode and answer share."""
-
-    req: SamplingRequest
-    chat: bool
-    prompt_ids: list[int]
-    max_new: int
-    stops: list[str]
-    head: dict[str, Any]
-    text: TextStream
-    recorder: LogprobRecorder | None
-    formatter: LogprobFormatter | None
-    trace: DecodeTrace
-
-
-class _Once:
-    """Calls ``action`` the first time it is called, never again (an admission slot's release)."""
-
-    def __init__(self, action: Callable[[], None]):
-        self.action: Callable[[], None] | None = action
-
-    def __call__(self) -> None:
-        action, self.action = self.action, None
-        if action is not None:
-            action()
 
 
 # ---- the deployment ----
@@ -424,8 +164,8 @@ class SpeculativeDecoder:
         if self.admitted >= self.limits.max_ongoing_requests:
             return self._shed_response()
         self._admit(+1)
-        job: _Job | None = None
-        release = _Once(lambda: self._leave(job))
+        job: Job | None = None
+        release = Once(lambda: self._leave(job))
         try:
             raw = await read_body(request, self.limits.max_body_bytes)
             # parsing a 1 MiB body, validating and tokenizing take milliseconds to seconds: not on the loop
@@ -438,7 +178,7 @@ class SpeculativeDecoder:
             return self._answer(job, await until_done(self._decode(job), request))
         except ApiError as error:
             return error.response()
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)  # nobody reads it
         except Exception as error:  # a bug, not the client's fault: say so and keep serving
             logger.exception("generation failed")
@@ -451,7 +191,7 @@ class SpeculativeDecoder:
         self.admitted += change
         self._gauges()
 
-    def _leave(self, job: "_Job | None") -> None:
+    def _leave(self, job: "Job | None") -> None:
         """An admitted request is done: free its slot; one that left before its decode began (client
         gone or timed out while queued) is recorded as abandoned, with no round run."""
         self._admit(-1)
@@ -476,7 +216,7 @@ class SpeculativeDecoder:
                         f"retry after {retry}s", status=self.limits.shed_status, kind="server_error",
                         code="server_overloaded", headers={"Retry-After": str(retry)}).response()
 
-    def _job(self, raw: bytes, schema: type[SamplingRequest], arrived: float) -> "_Job":
+    def _job(self, raw: bytes, schema: type[SamplingRequest], arrived: float) -> "Job":
         """Everything a decode and its answer need, from the raw body (blocking: a worker thread)."""
         req = parse_request(raw, schema)
         stops = stop_sequences(req.stop)
@@ -484,7 +224,7 @@ class SpeculativeDecoder:
         chat = isinstance(req, ChatRequest)
         top = req.logprobs_top()
         tokenizer = self.target.tokenizer
-        return _Job(
+        return Job(
             req=req, chat=chat, prompt_ids=prompt_ids, max_new=max_new, stops=stops,
             head={"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": self.model_id},
@@ -494,7 +234,7 @@ class SpeculativeDecoder:
             formatter=LogprobFormatter(tokenizer, chat, top) if top is not None else None,
             trace=DecodeTrace(arrived, max_new, self._uses_draft(req), req.stream))
 
-    def _decode(self, job: "_Job") -> AsyncIterator[str | GenerationResult]:
+    def _decode(self, job: "Job") -> AsyncIterator[str | GenerationResult]:
         """The job's decode as ``stream_rounds`` items, traced: progress for check_health, outcome,
         stats and metrics once it ends (abandoned decodes included)."""
         def run(on_tokens: TokenCallback) -> GenerationResult:
@@ -510,7 +250,7 @@ class SpeculativeDecoder:
                 result = self._generate(job.req, job.prompt_ids, job.max_new, traced, job.recorder)
                 outcome = "finished"
                 return result
-            except _StopDecoding:
+            except StopDecoding:
                 outcome = "stop_sequence" if job.text.stopped else "abandoned"
                 raise
             finally:
@@ -529,7 +269,7 @@ class SpeculativeDecoder:
         except Exception:
             logger.exception("recording metrics failed")
 
-    async def _stream(self, job: "_Job", release: "_Once") -> AsyncIterator[str]:
+    async def _stream(self, job: "Job", release: "Once") -> AsyncIterator[str]:
         """A stream's events; its admission slot is released when the stream ends, however it ends."""
         try:
             logprobs = StreamLogprobs(job.formatter, job.recorder.entries) if job.recorder is not None else None
@@ -541,7 +281,7 @@ class SpeculativeDecoder:
         finally:
             release()
 
-    def _answer(self, job: "_Job", result: GenerationResult) -> dict[str, Any]:
+    def _answer(self, job: "Job", result: GenerationResult) -> dict[str, Any]:
         """A non-streaming request's response body."""
         stop_ids = self.target.stop_token_ids
         text, n_tokens, hit_stop = completion_text(self.target.tokenizer, result.tokens, stop_ids, job.stops)
@@ -599,7 +339,7 @@ class SpeculativeDecoder:
         return vanilla_generate(self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens,
                                 logprobs=logprobs)
 
-    def _tail(self, job: "_Job", result: GenerationResult, n_tokens: int, hit_stop: bool) -> tuple[str, dict[str, Any]]:
+    def _tail(self, job: "Job", result: GenerationResult, n_tokens: int, hit_stop: bool) -> tuple[str, dict[str, Any]]:
         """finish_reason, and the usage + speculative fields every response (or last chunk) ends with."""
         finish = "stop" if hit_stop or result.finish_reason == "stop" else "length"
         prompt_tokens = len(job.prompt_ids)

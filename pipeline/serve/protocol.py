@@ -18,6 +18,7 @@ import logging
 import math
 from typing import Any, Literal
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -329,5 +330,21 @@ class LogprobFormatter:
                 "top_logprobs": tops, "text_offset": offsets}
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 when it exceeds ``limit`` bytes: at once from Content-Length, else
+    as soon as the chunks read so far pass the limit, so an oversized body is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise _too_large(declared, limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit}", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(f"the request body is {size} bytes; this server accepts at most {limit} bytes "
+                    "(serve.max_body_bytes): shorten the prompt", status=413, code="request_too_large")
