@@ -16,10 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import re
-import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -28,6 +24,7 @@ import torch
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
+from pipeline.data.parts import PartActor, PartProgress, injected_failure, run_part_actors
 from pipeline.data.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
 from pipeline.resources.targets import feature_layers, load_target, target_fingerprint
 from pipeline.data.store import (
@@ -124,25 +121,23 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
-class PartWriter:
+class PartWriter(PartActor):
     """The Ray Data actor: one planned part per row of ``batch`` -> features -> a part file.
     Returns one JSON ``entry`` per part: its manifest entry and the samples it had to skip."""
+
+    fault_env = FAULT_ENV
 
     def __init__(self, target: dict[str, Any], store: str, dtype: str, batch_tokens: int,
                  fingerprint: dict[str, Any], fail_after: int | None = None, layers: tuple[int, ...] = ()):
         self.featurizer = Featurizer(target, dtype, batch_tokens, tuple(layers))
-        if (actual := target_fingerprint(self.featurizer.target)) != fingerprint:
-            raise ValueError(f"this worker's target differs from the driver's ({actual} vs {fingerprint}); "
-                             "every node must see the same model files")
-        self.store, self.dtype, self.fail_after = store, dtype, fail_after
-        self.actor, self.parts = uuid.uuid4().hex[:8], 0  # part names: part-<actor>-<seq>.parquet
+        super().__init__(target_fingerprint(self.featurizer.target), fingerprint, fail_after)
+        self.store, self.dtype = store, dtype
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"entry": np.asarray([json.dumps(self.write(batch, i)) for i in range(len(batch["lengths"]))])}
 
     def write(self, batch: dict[str, np.ndarray], i: int) -> dict[str, Any]:
-        if self.fail_after is not None and self.parts >= self.fail_after:
-            raise RuntimeError(f"injected failure after {self.parts} parts ({FAULT_ENV})")
+        name = self.next_part()
         cuts = np.cumsum(batch["lengths"][i])[:-1]  # flat tokens -> one array per conversation
         part = {"sample_id": np.asarray(batch["sample_id"][i]),
                 "input_ids": _objects(np.split(batch["input_ids"][i], cuts)),
@@ -155,9 +150,8 @@ class PartWriter:
         if ok.any():
             table = part_table({k: v[ok] for k, v in rows.items()}, self.dtype, self.featurizer.target.hidden_size,
                                self.featurizer.layers)
-            entry = write_part(self.store, f"part-{self.actor}-{self.parts:05d}.parquet", table)
+            entry = write_part(self.store, name, table)
             entry["node"] = _node_id()  # where it ran: placement is auditable on a cluster
-        self.parts += 1
         return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
 
 
@@ -203,75 +197,17 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     return key, samples, ledger
 
 
-class Progress:
-    """A log line per finished part (conversations, tokens, tokens/s, bytes written, ETA) and the
-    stage's console line."""
-
-    def __init__(self, rows: int, tokens: int):
-        self.total_rows, self.total_tokens, self.start = rows, tokens, time.perf_counter()
-        self.rows = self.tokens = self.bytes = 0
-        self.console = console.Progress("featurize", tokens, "tokens")
-
-    def update(self, result: dict[str, Any]) -> None:
-        self.rows, self.tokens = self.rows + result["rows"], self.tokens + result["tokens"]
-        self.bytes += (result["part"] or {}).get("bytes", 0)
-        rate = self.tokens / max(self.elapsed, 1e-9)
-        logger.info("featurize: %d/%d conversations, %d/%d tokens, %.0f tokens/s, %.1f MB written, ETA %.0f s",
-                    self.rows, self.total_rows, self.tokens, self.total_tokens, rate, self.bytes / 1e6,
-                    (self.total_tokens - self.tokens) / max(rate, 1e-9))
-        self.console.update(self.tokens, f"{self.rows}/{self.total_rows} conversations  {rate:.0f} tokens/s")
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
 
 
-def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: Progress) -> None:
+def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: PartProgress) -> None:
     ensure_ray(cfg)
-    fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
     capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers")
     fingerprint = {k: key[k] for k in key if k not in capture}
     run_part_actors(cfg, PartWriter, parts, cfg.store_path, manifest, progress, "featurization",
                     dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
-                         batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint, fail_after=fail_after,
+                         batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint,
+                         fail_after=injected_failure(FAULT_ENV),
                          layers=tuple(key.get("feature_layers", ()))))
-
-
-def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: str, manifest: dict, progress: Any,
-                    what: str, constructor_kwargs: dict[str, Any]) -> None:
-    """A Ray Data pool of ``features.num_actors`` ``actor``s (featurize's resources) writes one part
-    per call; the driver records each finished part (``entry`` JSON: ``part``, ``skipped``) in
-    ``location``'s manifest as it arrives, so a kill loses no finished part (featurize, regenerate)."""
-    import ray
-
-    # Start every actor before handing out parts: otherwise the first actor up (a target load takes
-    # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
-    # hanging, when the cluster cannot place the pool.
-    ray.data.DataContext.get_current().wait_for_min_actors_s = 600
-    # one block per part: each part is its own actor call, so finished parts stream back one by one
-    dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
-        actor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
-        num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
-        resources=cfg.features.resources or None, fn_constructor_kwargs=constructor_kwargs)
-    try:
-        for row in dataset.iter_rows():
-            result = json.loads(row["entry"])
-            manifest["files"] += [result["part"]] if result["part"] else []
-            manifest["skipped"] += result["skipped"]
-            write_manifest(location, manifest)  # progress survives a kill
-            progress.update(result)
-    except Exception as error:  # whatever stopped Ray, the manifest must say it is incomplete
-        write_manifest(location, manifest)
-        raise RuntimeError(f"{what} stopped ({root_cause(error)}); finished parts are kept in {location}: rerun "
-                           "the same command to resume") from error
-
-
-def root_cause(error: BaseException) -> str:
-    """The worker's own error line: Ray's message prints the original traceback first, then its wrappers
-    (the exception objects themselves lose ``__cause__`` on the way back from the worker)."""
-    text = str(error)
-    found = re.search(r"^(\w+(?:\.\w+)*(?:Error|Exception)): (.*)$", text, re.MULTILINE)
-    return f"{found[1]}: {found[2][:300]}" if found else f"{type(error).__name__}: {text[:300]}"
 
 
 def _verify(store: str) -> dict[str, Any]:
@@ -294,7 +230,7 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
     todo = [s for s in samples if s.sample_id not in done]
     logger.info("featurize: %d samples selected, %d already in %s, %d to do; skipped so far: %s",
                 len(samples), len(samples) - len(todo), cfg.store_path, len(todo), ledger.counts())
-    progress = Progress(len(todo), sum(len(s.input_ids) for s in todo))
+    progress = PartProgress("featurize", len(todo), sum(len(s.input_ids) for s in todo))
     if todo:
         parts = plan_parts(todo, cfg, key["hidden_size"], len(key.get("feature_layers", ())))
         _featurize_parts(cfg, parts, key, manifest, progress)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -32,7 +30,7 @@ import torch
 
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
-from pipeline.data.featurize import run_part_actors
+from pipeline.data.parts import PartActor, PartProgress, injected_failure, run_part_actors
 from pipeline.data.chat import render_chat
 from pipeline.resources.targets import load_target, target_fingerprint
 from pipeline.runtime import ensure_ray
@@ -128,25 +126,23 @@ class Regenerator:
         return histories, generated, counts
 
 
-class PartRegenerator:
+class PartRegenerator(PartActor):
     """The Ray Data actor: one planned part per row of ``batch`` -> answers -> a part file.
     Returns one JSON ``entry`` per part: its manifest entry and the conversations it had to skip."""
+
+    fault_env = FAULT_ENV
 
     def __init__(self, target: dict[str, Any], settings: dict[str, Any], out: str, fingerprint: dict[str, Any],
                  fail_after: int | None = None):
         self.regenerator = Regenerator(target, settings)
-        if (actual := target_fingerprint(self.regenerator.target)) != fingerprint:
-            raise ValueError(f"this worker's target differs from the driver's ({actual} vs {fingerprint}); "
-                             "every node must see the same model files")
-        self.out, self.fail_after = out, fail_after
-        self.actor, self.parts = uuid.uuid4().hex[:8], 0  # part names: part-<actor>-<seq>.parquet
+        super().__init__(target_fingerprint(self.regenerator.target), fingerprint, fail_after)
+        self.out = out
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"entry": np.asarray([json.dumps(self.write(json.loads(item))) for item in batch["part"]])}
 
     def write(self, part: dict[str, Any]) -> dict[str, Any]:
-        if self.fail_after is not None and self.parts >= self.fail_after:
-            raise RuntimeError(f"injected failure after {self.parts} parts ({FAULT_ENV})")
+        name = self.next_part()
         started = time.perf_counter()
         conversations = part["conversations"]
         messages, generated, counts = self.regenerator.answer([c["messages"] for c in conversations], part["seed"])
@@ -161,8 +157,7 @@ class PartRegenerator:
                               "seq_len": pa.array([generated[i] for i in kept], pa.int32()),  # generated tokens
                               "where": pa.array([conversations[i]["where"] for i in kept], pa.string()),
                               "messages": pa.array([json.dumps(messages[i], ensure_ascii=False) for i in kept])})
-            entry = write_part(self.out, f"part-{self.actor}-{self.parts:05d}.parquet", table)
-        self.parts += 1
+            entry = write_part(self.out, name, table)
         return {"part": entry, "skipped": skipped, "rows": len(part["conversations"]), **counts,
                 "seconds": time.perf_counter() - started}
 
@@ -188,31 +183,17 @@ def capture_key(cfg: RunConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
             "max_len": cfg.data.max_len}
 
 
-class Progress:
-    """A log line per finished part and the stage's console line (conversations, tokens/s, ETA)."""
-
-    def __init__(self, rows: int):
-        self.total_rows, self.rows, self.tokens, self.start = rows, 0, 0, time.perf_counter()
-        self.console = console.Progress("regenerate", rows, "conversations")
-
-    def update(self, result: dict[str, Any]) -> None:
-        self.rows, self.tokens = self.rows + result["rows"], self.tokens + result["tokens"]
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        logger.info("regenerate: %d/%d conversations, %d tokens generated, %.0f tokens/s, %d answers cut at "
-                    "max_new_tokens in this part", self.rows, self.total_rows, self.tokens, rate, result["cut"])
-        self.console.update(self.rows, f"{rate:.0f} tokens/s")
 
 
-def _regenerate_parts(cfg: RunConfig, parts: list[dict], fingerprint: dict, manifest: dict, progress: Progress) -> None:
+def _regenerate_parts(cfg: RunConfig, parts: list[dict], fingerprint: dict, manifest: dict, progress: PartProgress) -> None:
     ensure_ray(cfg)
-    fail_after = int(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None
     settings = {"temperature": cfg.regenerate.temperature, "top_p": cfg.regenerate.top_p,
                 "max_new_tokens": cfg.regenerate.max_new_tokens, "batch_size": cfg.regenerate.batch_size,
                 "max_len": cfg.data.max_len}
     run_part_actors(cfg, PartRegenerator, [{"part": json.dumps(part)} for part in parts], cfg.regenerated_path,
                     manifest, progress, "regeneration",
                     dict(target=cfg.target.model_dump(), settings=settings, out=cfg.regenerated_path,
-                         fingerprint=fingerprint, fail_after=fail_after))
+                         fingerprint=fingerprint, fail_after=injected_failure(FAULT_ENV)))
 
 
 def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
@@ -234,7 +215,7 @@ def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
     todo = [c for c in conversations if c.sample_id not in done]
     logger.info("regenerate: %d conversations selected, %d already in %s, %d to do; skipped: %s", len(conversations),
                 len(conversations) - len(todo), cfg.regenerated_path, len(todo), ledger.counts())
-    progress = Progress(len(todo))
+    progress = PartProgress("regenerate", len(todo))
     if todo:
         _regenerate_parts(cfg, plan_parts(todo, cfg), fingerprint, manifest, progress)
         progress.console.close(f"{progress.tokens} tokens generated")

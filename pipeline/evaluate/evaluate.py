@@ -26,7 +26,8 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.checkpoint import atomic_write_json, tensors_sha256
+from griffin.checkpoint import tensors_sha256
+from pipeline.files import atomic_write_json, atomic_write_text
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress, say
 from pipeline.resources.drafts import draft_for_run, load_draft
@@ -263,10 +264,8 @@ class EvalLedger:
             logger.warning("%s: an unfinished evaluation with other settings, target or drafts; starting over", path)
         # rewritten without a cut-short tail before anything is appended
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(entry) + "\n" for entry in [{"key": key}] + [
+        atomic_write_text(path, "".join(json.dumps(entry) + "\n" for entry in [{"key": key}] + [
             {"dataset": d, "temperature": t, "index": i, "records": r} for (d, t, i), r in self.done.items()]))
-        os.replace(tmp, path)
 
     @property
     def resumed(self) -> int:

@@ -1,0 +1,120 @@
+"""The parts runner that featurize and regenerate share: a Ray Data pool of actors writes one part file per
+planned part (``PartActor``), the driver records each finished part in the manifest as it arrives
+(``run_part_actors``: a kill loses no finished part, a rerun resumes) and reports progress
+(``PartProgress``: a log line per part and the stage's console line)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from typing import Any
+
+from pipeline import console
+from pipeline.config import RunConfig
+from pipeline.data.store import write_manifest
+
+logger = logging.getLogger(__name__)
+
+
+class PartActor:
+    """What every part-writing actor does around its own work: refuse a worker whose target differs from
+    the driver's, name its parts ``part-<actor>-<seq>.parquet``, and fail on purpose after ``fail_after``
+    parts (fault injection for the resume tests, set through the stage's ``fault_env``)."""
+
+    fault_env = ""
+
+    def __init__(self, worker_fingerprint: dict[str, Any], fingerprint: dict[str, Any], fail_after: int | None):
+        if worker_fingerprint != fingerprint:
+            raise ValueError(f"this worker's target differs from the driver's ({worker_fingerprint} vs {fingerprint}); "
+                             "every node must see the same model files")
+        self.fail_after = fail_after
+        self.actor, self.parts = uuid.uuid4().hex[:8], 0
+
+    def next_part(self) -> str:
+        """The next part's file name; raises the injected failure once ``fail_after`` parts are written."""
+        if self.fail_after is not None and self.parts >= self.fail_after:
+            raise RuntimeError(f"injected failure after {self.parts} parts ({self.fault_env})")
+        name = f"part-{self.actor}-{self.parts:05d}.parquet"
+        self.parts += 1
+        return name
+
+
+def injected_failure(fault_env: str) -> int | None:
+    """The fault-injection setting of a stage: ``$<fault_env>`` parts per actor, or None."""
+    return int(os.environ[fault_env]) if os.environ.get(fault_env) else None
+
+
+class PartProgress:
+    """Finished parts counted (conversations, tokens, bytes written) into a log line per part and the
+    stage's console line, counted in tokens when the total is known up front (featurize) and in
+    conversations otherwise (regenerate)."""
+
+    def __init__(self, stage: str, rows: int, tokens: int | None = None):
+        self.stage, self.total_rows, self.total_tokens = stage, rows, tokens
+        self.rows = self.tokens = self.bytes = 0
+        self.start = time.perf_counter()
+        self.console = (console.Progress(stage, tokens, "tokens") if tokens is not None
+                        else console.Progress(stage, rows, "conversations"))
+
+    def update(self, result: dict[str, Any]) -> None:
+        self.rows, self.tokens = self.rows + result["rows"], self.tokens + result["tokens"]
+        self.bytes += (result["part"] or {}).get("bytes", 0)
+        rate = self.tokens / max(self.elapsed, 1e-9)
+        tokens = (f"{self.tokens} tokens generated" if self.total_tokens is None
+                  else f"{self.tokens}/{self.total_tokens} tokens")
+        line = f"{self.stage}: {self.rows}/{self.total_rows} conversations, {tokens}, {rate:.0f} tokens/s"
+        if self.bytes:
+            line += f", {self.bytes / 1e6:.1f} MB written"
+        if "cut" in result:
+            line += f", {result['cut']} answers cut at max_new_tokens in this part"
+        if self.total_tokens is not None:
+            line += f", ETA {(self.total_tokens - self.tokens) / max(rate, 1e-9):.0f} s"
+            self.console.update(self.tokens, f"{self.rows}/{self.total_rows} conversations  {rate:.0f} tokens/s")
+        else:
+            self.console.update(self.rows, f"{rate:.0f} tokens/s")
+        logger.info(line)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: str, manifest: dict, progress: Any,
+                    what: str, constructor_kwargs: dict[str, Any]) -> None:
+    """A Ray Data pool of ``features.num_actors`` ``actor``s (featurize's resources) writes one part
+    per call; the driver records each finished part (``entry`` JSON: ``part``, ``skipped``) in
+    ``location``'s manifest as it arrives, so a kill loses no finished part (featurize, regenerate)."""
+    import ray
+
+    # Start every actor before handing out parts: otherwise the first actor up (a target load takes
+    # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
+    # hanging, when the cluster cannot place the pool.
+    ray.data.DataContext.get_current().wait_for_min_actors_s = 600
+    # one block per part: each part is its own actor call, so finished parts stream back one by one
+    dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+        actor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
+        num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
+        resources=cfg.features.resources or None, fn_constructor_kwargs=constructor_kwargs)
+    try:
+        for row in dataset.iter_rows():
+            result = json.loads(row["entry"])
+            manifest["files"] += [result["part"]] if result["part"] else []
+            manifest["skipped"] += result["skipped"]
+            write_manifest(location, manifest)  # progress survives a kill
+            progress.update(result)
+    except Exception as error:  # whatever stopped Ray, the manifest must say it is incomplete
+        write_manifest(location, manifest)
+        raise RuntimeError(f"{what} stopped ({root_cause(error)}); finished parts are kept in {location}: rerun "
+                           "the same command to resume") from error
+
+
+def root_cause(error: BaseException) -> str:
+    """The worker's own error line: Ray's message prints the original traceback first, then its wrappers
+    (the exception objects themselves lose ``__cause__`` on the way back from the worker)."""
+    text = str(error)
+    found = re.search(r"^(\w+(?:\.\w+)*(?:Error|Exception)): (.*)$", text, re.MULTILINE)
+    return f"{found[1]}: {found[2][:300]}" if found else f"{type(error).__name__}: {text[:300]}"
