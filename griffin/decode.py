@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function  # named ranges for benchmarks/round_profile.py; ~1 us when off
+from torch.profiler import record_function  # named ranges for benchmarks/decode/round_profile.py; ~1 us when off
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.model import GriffinDraft, KVCache

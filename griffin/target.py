@@ -39,7 +39,7 @@ def fast_bf16(device: str | torch.device = "cpu") -> bool:
 # The attention backends decoding runs with on CUDA: all but cuDNN's. cuDNN attention, PyTorch's first
 # choice for bf16 on Hopper, builds an execution graph for each new input shape, and decoding changes the
 # KV length every step. On an H200, a bf16 SmolLM2 step took 85 ms while the shapes were new and 22-25 ms
-# once they repeated (benchmarks/gpu_dtype.md); the real bf16 decode ran at 0.38x its fp32 speed.
+# once they repeated (benchmarks/gpu/gpu_dtype.md); the real bf16 decode ran at 0.38x its fp32 speed.
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -70,7 +70,7 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 # oneDNN's packed layout is chosen for a batch size (rows of the input). bf16 (AMX / AVX512-BF16):
 # batch 1, the decode step's GEMV; tree verifies (M <= 64) measured well on it too. fp32 (measured on
-# an AVX2-only CPU, benchmarks/decode-fp32.md): a batch-16 layout is as fast as the batch-1 one at
+# an AVX2-only CPU, benchmarks/decode/decode-fp32.md): a batch-16 layout is as fast as the batch-1 one at
 # M = 1 and 1.3-1.9x faster at every M from 2 to 32, the rows of a tree verify.
 LAYOUT_BATCH = {torch.bfloat16: 1, torch.float32: 16}
 
@@ -78,8 +78,8 @@ LAYOUT_BATCH = {torch.bfloat16: 1, torch.float32: 16}
 class PackedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is pre-packed into oneDNN's blocked layout, as the CPU
     freezing pass of ``torch.compile`` does. On plain row-major weights a bf16 GEMV at batch 1
-    streams them ~1.6x slower (benchmarks/decode.md), and an fp32 tree verify pays MKL's repacking
-    of the weights on every call (benchmarks/decode-fp32.md); decoding is those products.
+    streams them ~1.6x slower (benchmarks/decode/decode.md), and an fp32 tree verify pays MKL's repacking
+    of the weights on every call (benchmarks/decode/decode-fp32.md); decoding is those products.
     With ``keep_weight`` the plain ``weight`` stays, so that a tied embedding, ``head_weight`` and
     ``state_dict`` see the same tensor; without it the plain copy is released (``weight`` is None)
     and only the packed one takes memory."""
@@ -112,7 +112,7 @@ def prepack_linears(module: nn.Module, keep_weight: Callable[[nn.Linear], bool] 
 
 def release_freed_memory() -> None:
     """Hand the heap pages that released weights leave behind back to the OS (glibc keeps freed
-    blocks of a few MB in its heap; benchmarks/RESULTS.md: 100 MiB more of SmolLM2's released fp32
+    blocks of a few MB in its heap; benchmarks/history.md: 100 MiB more of SmolLM2's released fp32
     weights leave the process this way). A no-op without glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -63,7 +63,7 @@ class RegenerateSection(Section):
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=512, ge=1, description="tokens per answer; stops earlier at a stop token")
     batch_size: int = Field(default=8, ge=1, description="conversations per left-padded generate batch (8 measured "
-                            "fastest on 2 CPU cores: benchmarks/regenerate.md)")
+                            "fastest on 2 CPU cores: benchmarks/regenerate/regenerate.md)")
     conversations_per_part: int = Field(default=64, ge=1, description="a part file (and a resume point) per this many")
     seed: int = 0
 

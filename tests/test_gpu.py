@@ -112,7 +112,7 @@ def test_bf16_sampling_decode_on_cuda():
 
 def test_bf16_decode_on_cuda_skips_cudnn_attention():
     """cuDNN's attention rebuilt its graph at every step's new KV length (85 vs 22-25 ms a SmolLM2
-    step on an H200, benchmarks/gpu_dtype.md); decoding leaves that backend out."""
+    step on an H200, benchmarks/gpu/gpu_dtype.md); decoding leaves that backend out."""
     from torch.profiler import ProfilerActivity, profile
 
     target = make_target("llama")

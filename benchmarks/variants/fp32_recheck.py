@@ -1,4 +1,4 @@
-# Re-decode the one T=0 divergence that benchmarks/variants.sh flagged (griffin3, HumanEval question 0,
+# Re-decode the one T=0 divergence that benchmarks/variants/variants.sh flagged (griffin3, HumanEval question 0,
 # index 59, bf16 gap 0.5) in fp32: speculative vs vanilla, and the fp32 logit gap there.
 #   .venv/bin/python benchmarks/variants/fp32_recheck.py
 

@@ -10,7 +10,7 @@ halves of the trade-off, in one process:
 - per candidate tree (total_tokens, depth, top_k): tau at T=0 and the median drafting seconds of a
   round, over every calibration prompt, replayed with the draft alone from each prompt's greedy
   continuation (``griffin.replay``: the rounds the decoder would run, at a fifth to a tenth of
-  their cost; replayed and decoded drafting times agree, benchmarks/RESULTS.md).
+  their cost; replayed and decoded drafting times agree, benchmarks/history.md).
 
 Expected tokens/s = tau / (median draft seconds + the curve at total_tokens); prefill is the same
 for every candidate and left out. Vanilla tokens/s comes from the decodes that made the

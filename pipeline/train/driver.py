@@ -71,7 +71,7 @@ def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, d
     the held-out score. The target only lends the draft its frozen embedding and head (and
     ``draft.init_layer`` a layer), so it is loaded on the CPU (in the dtype resolved for
     ``target.device``) and dropped: a worker keeps those tensors, not the whole target
-    (benchmarks/train_memory.md), and its GPU never holds the target."""
+    (benchmarks/training/train_memory.md), and its GPU never holds the target."""
     target = load_target(cfg.target, device="cpu")
     draft = _init_draft(cfg, target, init_dir, d2t)
     tied = draft.embed_weight.data_ptr() == draft.head_weight.data_ptr()  # a tied target's one tensor
