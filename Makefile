@@ -1,4 +1,4 @@
-# `make test`: set up the pinned venv and run the suite. `make run`: set up and run the main job.
+# `make test`: set up the pinned venv, lint and format-check with ruff, and run the suite. `make run`: set up and run the main job.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,6 +25,8 @@ $(VENV)/speculators/.installed: requirements-speculators.txt $(VENV)/.installed
 	@touch $@
 
 test: setup $(VENV)/speculators/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider tests
 
 run: setup

@@ -371,7 +371,7 @@ class GriffinDraft(nn.Module):
         (B, T, D) the draft's regressed features (``next_stream``); tokens: (B, T)
         ground-truth next tokens y_t = x_{t+1}, shared by every stream; attention_mask: (B, T)
         1 for real tokens. Queries come from the last stream. Returns P, R: (B, T, D)."""
-        J, (B, T) = len(streams), tokens.shape
+        J, (B, T) = len(streams), tokens.shape  # noqa: F841 (B names the shape)
         streams = [self.fuse_target(streams[0].to(self.param_dtype))] + [s.to(self.param_dtype) for s in streams[1:]]
         embeds = self.embed(tokens).to(self.param_dtype)  # (B, T, D)
         inputs = [self._layer_inputs(embeds, s) for s in streams]  # J x ((B, T, D), (B, T, D_in))

@@ -86,7 +86,7 @@ def draft_tree(
 
     for level in range(2, cfg.depth + 1):
         # Feed the K current nodes (all at one position) and expand each into K children.
-        E = node_anc.shape[1]
+        E = node_anc.shape[1]  # noqa: F841 (E names the mask's width below)
         tree_rows = torch.cat([node_anc, torch.eye(K, dtype=torch.bool, device=device)], dim=1)  # (K, E+K)
         mask = torch.cat([torch.ones(K, stable_len, dtype=torch.bool, device=device), tree_rows], dim=1)
         positions = torch.full((K,), stable_len + level - 2, device=device)

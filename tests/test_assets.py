@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from griffin import assets
 from griffin.assets import ASSETS, CACHE_LAYOUT, MARKER, Asset, Part, prepare_asset, resolve_target_path
 
 SMOLLM2 = "smollm2-135m-instruct"
