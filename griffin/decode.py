@@ -105,9 +105,15 @@ def _check_request(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int
 TokenCallback = Callable[[list[int]], None]
 
 
-def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
-            on_tokens: TokenCallback | None = None, recorder: LogprobRecorder | None = None,
-            scores: Callable[[], list[TokenLogprob]] | None = None) -> str | None:
+def _append(
+    out: list[int],
+    new: list[int],
+    stop: set[int],
+    max_new_tokens: int,
+    on_tokens: TokenCallback | None = None,
+    recorder: LogprobRecorder | None = None,
+    scores: Callable[[], list[TokenLogprob]] | None = None,
+) -> str | None:
     """Append ``new`` to ``out`` up to the first stop token or the length limit; say why we stopped.
     ``on_tokens`` receives the tokens actually appended (for streaming); with a ``recorder``, the
     lazily computed ``scores()`` (aligned with ``new``) of those tokens are recorded first."""
@@ -129,10 +135,12 @@ def _append(out: list[int], new: list[int], stop: set[int], max_new_tokens: int,
 
 def on_decode_attention(decode: Callable) -> Callable:
     """Runs ``decode(target, ...)`` under ``decode_attention`` for the target's device."""
+
     @functools.wraps(decode)
     def run(target: TargetAdapter, *args, **kwargs):
         with decode_attention(target.device):
             return decode(target, *args, **kwargs)
+
     return run
 
 
@@ -166,8 +174,9 @@ def vanilla_generate(
     _, logits = target.forward(input_ids.to(device), cache, all_logits=False)  # (1, 1, V)
     token = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = device_time(device) - start
-    reason = _append(out, [token], stop, max_new_tokens, on_tokens, logprobs,
-                     lambda: logprobs.score(logits[0, -1:], [token]))
+    reason = _append(
+        out, [token], stop, max_new_tokens, on_tokens, logprobs, lambda: logprobs.score(logits[0, -1:], [token])
+    )
     while reason is None:
         start = device_time(device)
         _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)  # (1, 1, V)
@@ -175,8 +184,9 @@ def vanilla_generate(
         stats.verify_time += device_time(device) - start
         stats.rounds += 1
         stats.accepted_per_round.append(0)
-        reason = _append(out, [token], stop, max_new_tokens, on_tokens, logprobs,
-                         lambda: logprobs.score(logits[0, -1:], [token]))
+        reason = _append(
+            out, [token], stop, max_new_tokens, on_tokens, logprobs, lambda: logprobs.score(logits[0, -1:], [token])
+        )
     return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)
 
 
@@ -204,18 +214,22 @@ def speculative_generate(
     prompt_len = input_ids.shape[1]
     target_cache = target.new_cache(prompt_len + max_new_tokens + tree.total_tokens)
     draft_cache = KVCache.allocate(
-        draft.cfg, prompt_len + max_new_tokens + (tree.depth - 1) * tree.top_k + 1,
-        device=device, dtype=draft.param_dtype,
+        draft.cfg,
+        prompt_len + max_new_tokens + (tree.depth - 1) * tree.top_k + 1,
+        device=device,
+        dtype=draft.param_dtype,
     )
 
     start = device_time(device)
     layers = draft.cfg.feature_layers  # what the draft reads: the last layer, or k layers (D_f = k*D)
-    features, logits = target.forward(input_ids.to(device), target_cache, all_logits=False,
-                                      feature_layers=layers)  # (1, T, D_f), (1, 1, V)
+    features, logits = target.forward(
+        input_ids.to(device), target_cache, all_logits=False, feature_layers=layers
+    )  # (1, T, D_f), (1, 1, V)
     root = next_token(logits[0, -1], sampling, generator)
     stats.prefill_time = device_time(device) - start
-    reason = _append(out, [root], stop, max_new_tokens, on_tokens, logprobs,
-                     lambda: logprobs.score(logits[0, -1:], [root]))
+    reason = _append(
+        out, [root], stop, max_new_tokens, on_tokens, logprobs, lambda: logprobs.score(logits[0, -1:], [root])
+    )
     # Draft input pairs (f_p, x_{p+1}): features of the processed positions and the tokens after them.
     new_tokens = torch.cat([input_ids[0, 1:].to(device), torch.tensor([root], device=device)])  # (T,)
 
@@ -226,8 +240,9 @@ def speculative_generate(
         mid = device_time(device)
         prefix_len = target_cache.length
         with record_function("griffin.verify_forward"):
-            features_n, logits_n = target.verify(tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache,
-                                                 layers)
+            features_n, logits_n = target.verify(
+                tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache, layers
+            )
         with record_function("griffin.accept"):
             result = verify(tree_nodes, logits_n[0], sampling, generator)
         accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
@@ -242,8 +257,15 @@ def speculative_generate(
 
         committed = tree_nodes.tokens[accepted[1:]].tolist() + [result.next_token]  # (A+1,)
         # token i of ``committed`` came from the target's logits after accepted node i
-        reason = _append(out, committed, stop, max_new_tokens, on_tokens, logprobs,
-                         lambda: logprobs.score(logits_n[0, accepted], committed))  # (A+1, V) rows
+        reason = _append(
+            out,
+            committed,
+            stop,
+            max_new_tokens,
+            on_tokens,
+            logprobs,
+            lambda: logprobs.score(logits_n[0, accepted], committed),
+        )  # (A+1, V) rows
         features = features_n[:, accepted]  # (1, A+1, D_f): target features of root + accepted nodes
         new_tokens = torch.tensor(committed, device=device)
     return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)

@@ -10,8 +10,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from griffin.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, bind_state, atomic_write, atomic_write_json, check_compatible,
-                                draft_config_json, read_draft_config)
+from griffin.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    bind_state,
+    atomic_write,
+    atomic_write_json,
+    check_compatible,
+    draft_config_json,
+    read_draft_config,
+)
 from griffin.config import DraftConfig
 from griffin.model import GriffinDraft
 
@@ -153,8 +161,9 @@ def ascending_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**state, "d2t": d2t[order], "lm_head.weight": state["lm_head.weight"][order]}
 
 
-def to_eagle3(state: dict[str, torch.Tensor], cfg: DraftConfig, embed_weight: torch.Tensor,
-              layout: str) -> dict[str, torch.Tensor]:
+def to_eagle3(
+    state: dict[str, torch.Tensor], cfg: DraftConfig, embed_weight: torch.Tensor, layout: str
+) -> dict[str, torch.Tensor]:
     """Our ``eagle3`` state dict -> speculators' or SpecForge's, with the target embedding as
     ``embed_tokens.weight`` and a reduced vocabulary as offset ``d2t`` + ``t2d`` mask."""
     eagle3 = cfg.decoder_input == "concat" and cfg.trainable_head and cfg.feature_layers and not cfg.token_enhanced_head
@@ -165,7 +174,10 @@ def to_eagle3(state: dict[str, torch.Tensor], cfg: DraftConfig, embed_weight: to
         )
     state = dict(ascending_vocab(state))
     d2t = state.pop("d2t", None)
-    tensors = {**_rename(state, eagle3_names(EAGLE3_LAYER_PREFIX[layout]), f"to_{layout}"), UPSTREAM_EMBED: embed_weight}
+    tensors = {
+        **_rename(state, eagle3_names(EAGLE3_LAYER_PREFIX[layout]), f"to_{layout}"),
+        UPSTREAM_EMBED: embed_weight,
+    }
     if d2t is not None:
         tensors["d2t"] = d2t - torch.arange(d2t.numel())
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -190,13 +202,23 @@ def from_eagle3(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 def _eagle3_layer_config(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
     """EAGLE-3's decoder layer as transformers ``LlamaConfig`` fields (the target's vocabulary)."""
     return {
-        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, **_dtype_fields(dtype),
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        **_dtype_fields(dtype),
     }
 
 
@@ -205,8 +227,9 @@ def _dtype_fields(dtype: torch.dtype) -> dict[str, str]:
     return {"dtype": name, "torch_dtype": name}  # transformers 5 reads dtype, 4.x (older vLLM) torch_dtype
 
 
-def eagle3_config(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: dict[str, Any],
-                  provenance: dict[str, Any]) -> dict[str, Any]:
+def eagle3_config(
+    cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: dict[str, Any], provenance: dict[str, Any]
+) -> dict[str, Any]:
     """``config.json`` of an EAGLE-3 export, plus our ``griffin`` section for a bit-exact reload.
 
     - speculators: ``Eagle3SpeculatorConfig`` (what vLLM reads): the layer config nested, the target
@@ -214,20 +237,38 @@ def eagle3_config(cfg: DraftConfig, layout: str, dtype: torch.dtype, verifier: d
       them), and ``speculators_config.verifier`` = ``verifier`` (``name_or_path``, ``architectures``).
     - specforge: the flat ``LlamaForCausalLMEagle3`` config, the layers under ``eagle_config`` in
       SpecForge's and SGLang's numbering, by decoder-layer output (``specforge_layer_ids``)."""
-    layers, ours = list(cfg.feature_layers or ()), {"griffin": cfg.model_dump(), "provenance": provenance,
-                                                     "layout": layout}
+    layers, ours = (
+        list(cfg.feature_layers or ()),
+        {"griffin": cfg.model_dump(), "provenance": provenance, "layout": layout},
+    )
     layer = _eagle3_layer_config(cfg, dtype)
     if layout == "specforge":
-        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg.active_vocab_size,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": specforge_layer_ids(layers),
-                                 "use_aux_hidden_state": True}, **ours}
+        return {
+            **layer,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": cfg.active_vocab_size,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": specforge_layer_ids(layers),
+                "use_aux_hidden_state": True,
+            },
+            **ours,
+        }
     return {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", **_dtype_fields(dtype),
-        "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
-        "draft_vocab_size": cfg.active_vocab_size, "eagle_aux_hidden_state_layer_ids": layers,
-        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        **_dtype_fields(dtype),
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.active_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": layers,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
         },
         **ours,
@@ -263,21 +304,29 @@ def eagle3_draft_config(raw: dict[str, Any]) -> DraftConfig:
     if not ids and specforge_ids:
         ids = [i + 1 for i in specforge_ids]
     if not ids:
-        raise ValueError("config.json names no target layers: add eagle_aux_hidden_state_layer_ids (speculators: "
-                         "HF hidden_states indices, e.g. [2, L/2, L-3] for an L-layer target; SpecForge: under "
-                         "eagle_config, decoder-layer outputs, e.g. [1, L/2-1, L-4])")
+        raise ValueError(
+            "config.json names no target layers: add eagle_aux_hidden_state_layer_ids (speculators: "
+            "HF hidden_states indices, e.g. [2, L/2, L-3] for an L-layer target; SpecForge: under "
+            "eagle_config, decoder-layer outputs, e.g. [1, L/2-1, L-4])"
+        )
     rope = layer.get("rope_parameters") or {}
     vocab, draft_vocab = layer["vocab_size"], raw.get("draft_vocab_size")
     return DraftConfig(
-        variant="eagle3", hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        variant="eagle3",
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
         num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
-        vocab_size=vocab, draft_vocab_size=None if draft_vocab in (None, vocab) else draft_vocab,
+        vocab_size=vocab,
+        draft_vocab_size=None if draft_vocab in (None, vocab) else draft_vocab,
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
         max_position_embeddings=layer.get("max_position_embeddings", 2048),
-        token_guided_fusion=False, token_enhanced_head=False, feature_layers=tuple(ids),
-        decoder_input="concat", trainable_head=True,
+        token_guided_fusion=False,
+        token_enhanced_head=False,
+        feature_layers=tuple(ids),
+        decoder_input="concat",
+        trainable_head=True,
     )
 
 
@@ -322,8 +371,9 @@ def read_export(path: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor],
         return eagle3_draft_config(raw), state, embed
     cfg, raw = read_draft_config(path)
     if raw.get("layout") != "hf":
-        raise ValueError(f"{path} is not a griffin-upstream ({UPSTREAM_WEIGHTS_NAME}), hf, speculators or "
-                         "specforge export")
+        raise ValueError(
+            f"{path} is not a griffin-upstream ({UPSTREAM_WEIGHTS_NAME}), hf, speculators or specforge export"
+        )
     state, embed = from_hf(load_file(path / WEIGHTS_NAME))
     return cfg, state, embed
 
@@ -340,13 +390,13 @@ def load_export(path: str | Path, target: Any, dtype: torch.dtype | None = None)
 def _export_config(cfg: DraftConfig, provenance: dict[str, Any], layout: str, dtype: torch.dtype) -> dict[str, Any]:
     config = {**draft_config_json(cfg, provenance), "layout": layout}
     if layout == "griffin-upstream":  # what the official EConfig / LlamaConfig loader reads
-        config.update(architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
-                      torch_dtype=str(dtype).removeprefix("torch."))
+        config.update(
+            architectures=["LlamaForCausalLM"], tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch.")
+        )
     return config
 
 
-def export_draft(path: str | Path, out: str | Path, layout: str, target: Any,
-                 verifier: str | None = None) -> Path:
+def export_draft(path: str | Path, out: str | Path, layout: str, target: Any, verifier: str | None = None) -> Path:
     """Write draft directory ``path`` in ``layout`` under ``out``, then reload it and check that every
     tensor (and the embedding) comes back bit-exactly.
 
@@ -373,17 +423,20 @@ def export_draft(path: str | Path, out: str | Path, layout: str, target: Any,
         tensors = to_eagle3(state, cfg, embed, layout)
         state = ascending_vocab(state)  # what the export holds, draft ids in target-id order
         hf_config = target.hf_config.get_text_config()
-        verifier_config = {"name_or_path": verifier or getattr(hf_config, "_name_or_path", None) or None,
-                           "architectures": list(getattr(target.hf_config, "architectures", None)
-                                                 or [type(target.model).__name__])}
+        verifier_config = {
+            "name_or_path": verifier or getattr(hf_config, "_name_or_path", None) or None,
+            "architectures": list(getattr(target.hf_config, "architectures", None) or [type(target.model).__name__]),
+        }
         config = eagle3_config(cfg, layout, tensors["fc.weight"].dtype, verifier_config, provenance)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if layout == "griffin-upstream":
         atomic_write(out / weights_name, lambda tmp: torch.save(tensors, tmp))
     else:
-        atomic_write(out / weights_name,
-                     lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}))
+        atomic_write(
+            out / weights_name,
+            lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
+        )
     atomic_write_json(out / CONFIG_NAME, config)
     _check_export(out, cfg, state, embed)
     load_export(out, target)  # and it binds to the target strictly
@@ -396,7 +449,8 @@ def _check_export(out: Path, cfg: DraftConfig, state: dict[str, torch.Tensor], e
     if set(state_back) != set(state):
         problems.append(f"keys differ: {sorted(set(state) ^ set(state_back))}")
     problems += [
-        f"{key} differs" for key in sorted(set(state) & set(state_back))
+        f"{key} differs"
+        for key in sorted(set(state) & set(state_back))
         if state[key].dtype != state_back[key].dtype or not torch.equal(state[key], state_back[key])
     ]
     if embed_back is None or not torch.equal(embed_back, embed):

@@ -171,8 +171,9 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
         self.mlp = SwiGLU(D, cfg.intermediate_size, 2 * D if self.two_heads else D)
 
-    def forward(self, residual: Tensor, x_q: Tensor, x_kv: Tensor, rope_q, rope_kv, mask: Tensor,
-                cache=None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, residual: Tensor, x_q: Tensor, x_kv: Tensor, rope_q, rope_kv, mask: Tensor, cache=None
+    ) -> tuple[Tensor, Tensor]:
         """residual (B, T, D); x_q (B, T, D_in) and x_kv (B, Tk, D_in) the attention's inputs (the
         residual itself for a fused input)."""
         a = residual + self.self_attn(x_q, x_kv, rope_q, rope_kv, mask, cache)  # (B, T, D)
@@ -258,16 +259,20 @@ class GriffinDraft(nn.Module):
         With TEH the down projection fills both halves, so P and R start equal. Not carried: Q/K/V
         biases (Qwen2's; the draft's projections have none)."""
         if self.cfg.decoder_input == "concat":
-            raise ValueError("draft.init_layer: EAGLE-3's attention reads [e; h] (2H wide); a target layer's "
-                             "reads H, so it cannot start from one. Drop draft.init_layer for this variant")
+            raise ValueError(
+                "draft.init_layer: EAGLE-3's attention reads [e; h] (2H wide); a target layer's "
+                "reads H, so it cannot start from one. Drop draft.init_layer for this variant"
+            )
         ours, theirs, Dh = self.layer, layer, self.cfg.head_dim
         group = self.cfg.num_attention_heads // (theirs.self_attn.k_proj.weight.shape[0] // Dh)  # Hq / Hk
         scale = theirs.input_layernorm.weight  # (D,): W @ (g * x) = (W * g) @ x
-        pairs = [(ours.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight * scale),
-                 (ours.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight),
-                 (ours.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight),
-                 (ours.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight),
-                 (ours.mlp.up_proj.weight, theirs.mlp.up_proj.weight)]
+        pairs = [
+            (ours.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight * scale),
+            (ours.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight),
+            (ours.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight),
+            (ours.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight),
+            (ours.mlp.up_proj.weight, theirs.mlp.up_proj.weight),
+        ]
         for name in ("k_proj", "v_proj"):  # (Hk*Dh, D) -> (Hq*Dh, D): each KV head once per query head
             weight = getattr(theirs.self_attn, name).weight * scale
             heads = weight.view(-1, Dh, weight.shape[-1])  # (Hk, Dh, D); query head h reads KV head h // group
@@ -277,8 +282,10 @@ class GriffinDraft(nn.Module):
         pairs.append((ours.mlp.down_proj.weight, torch.cat([down, down]) if ours.two_heads else down))
         for mine, source in pairs:
             if mine.shape != source.shape:
-                raise ValueError(f"draft.init_layer: the target layer's {tuple(source.shape)} does not fit the "
-                                 f"draft's {tuple(mine.shape)} (draft.overrides change its shape?)")
+                raise ValueError(
+                    f"draft.init_layer: the target layer's {tuple(source.shape)} does not fit the "
+                    f"draft's {tuple(mine.shape)} (draft.overrides change its shape?)"
+                )
             mine.copy_(source.to(mine.dtype))
 
     def cast_parameters(self, dtype: torch.dtype) -> "GriffinDraft":
@@ -324,8 +331,7 @@ class GriffinDraft(nn.Module):
     def next_stream(self, inputs: Tensor, regression: Tensor) -> Tensor:
         """The next harmonized pass's input stream: the draft's own regressed features R (B, T, D),
         one position later, with the target's first feature in front (fused to D)."""
-        return torch.cat([self.fuse_target(inputs[:, :1]).to(inputs.dtype), regression[:, :-1].to(inputs.dtype)],
-                         dim=1)
+        return torch.cat([self.fuse_target(inputs[:, :1]).to(inputs.dtype), regression[:, :-1].to(inputs.dtype)], dim=1)
 
     def _layer_inputs(self, embeds: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
         """(residual (B, T, D), attention input (B, T, D_in)) of one stream."""
@@ -341,8 +347,10 @@ class GriffinDraft(nn.Module):
         inference only. The packed head is a plain attribute: it is not part of the state_dict."""
         from griffin.target import PackedLinear, prepack_linears, prepack_supported
 
-        if not (prepack_supported(self.head_weight.device, self.head_weight.dtype)
-                and prepack_supported(self.head_weight.device, self.param_dtype)):
+        if not (
+            prepack_supported(self.head_weight.device, self.head_weight.dtype)
+            and prepack_supported(self.head_weight.device, self.param_dtype)
+        ):
             return False
         prepack_linears(self)
         if self.cfg.trainable_head:
@@ -364,7 +372,9 @@ class GriffinDraft(nn.Module):
         return t2d[target_ids]
 
     # ---- training: harmonized multi-stream forward ------------------------------------
-    def forward(self, streams: list[Tensor], tokens: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, streams: list[Tensor], tokens: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Pass j = len(streams) of token-alignable training.
 
         streams[0]: (B, T, D_f) the target's features (D_f = k*D for k feature layers); streams[k >= 1]:

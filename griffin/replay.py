@@ -40,9 +40,14 @@ class GreedyReference:
 
 
 @torch.inference_mode()
-def greedy_reference(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int, lookahead: int,
-                     feature_layers: tuple[int, ...] | None = None,
-                     stop_token_ids: list[int] | None = None) -> GreedyReference:
+def greedy_reference(
+    target: TargetAdapter,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    lookahead: int,
+    feature_layers: tuple[int, ...] | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> GreedyReference:
     """Decode ``max_new_tokens + lookahead`` greedy tokens ignoring stop tokens (a last round may
     accept draft tokens past the length limit or a stop token; a lookahead of the tree's depth lets a
     replay count them as the decoder does), then run the target once over the whole sequence for its
@@ -50,11 +55,14 @@ def greedy_reference(target: TargetAdapter, input_ids: Tensor, max_new_tokens: i
     result = vanilla_generate(target, input_ids, GREEDY, max_new_tokens + lookahead, stop_token_ids=[])
     continuation = result.tokens
     stops = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
-    length = next((i + 1 for i, token in enumerate(continuation[:max_new_tokens]) if token in stops),
-                  min(max_new_tokens, len(continuation)))
+    length = next(
+        (i + 1 for i, token in enumerate(continuation[:max_new_tokens]) if token in stops),
+        min(max_new_tokens, len(continuation)),
+    )
     sequence = torch.cat([input_ids.to(target.device), torch.tensor([continuation[:-1]], device=target.device)], dim=1)
-    features, _ = target.forward(sequence, target.new_cache(sequence.shape[1]), all_logits=False,
-                                 feature_layers=feature_layers)  # (1, T + L_ext - 1, D_f)
+    features, _ = target.forward(
+        sequence, target.new_cache(sequence.shape[1]), all_logits=False, feature_layers=feature_layers
+    )  # (1, T + L_ext - 1, D_f)
     step = result.stats.verify_time / max(result.stats.rounds, 1)
     return GreedyReference(input_ids, continuation, length, features, step)
 
@@ -85,8 +93,9 @@ def replay_greedy(draft: GriffinDraft, reference: GreedyReference, tree: TreeCon
     """The rounds ``speculative_generate`` would run at T=0 on ``reference``'s prompt, draft only."""
     prompt, continuation, features = reference.input_ids, reference.continuation, reference.features
     T, device, replay = prompt.shape[1], features.device, Replay()
-    cache = KVCache.allocate(draft.cfg, T + len(continuation) + (tree.depth - 1) * tree.top_k + 1,
-                             device=device, dtype=draft.param_dtype)
+    cache = KVCache.allocate(
+        draft.cfg, T + len(continuation) + (tree.depth - 1) * tree.top_k + 1, device=device, dtype=draft.param_dtype
+    )
     # as after prefill: pairs (f_p, x_{p+1}) of the prompt, the last one ending in the root
     new_features = features[:, :T]  # (1, T, D_f)
     new_tokens = torch.cat([prompt[0, 1:].to(device), torch.tensor(continuation[:1], device=device)])  # (T,)
@@ -96,10 +105,10 @@ def replay_greedy(draft: GriffinDraft, reference: GreedyReference, tree: TreeCon
             start = time.perf_counter()
             nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree)
             replay.draft_seconds.append(time.perf_counter() - start)
-            accepted = accepted_along(nodes, continuation[done:done + tree.depth])
+            accepted = accepted_along(nodes, continuation[done : done + tree.depth])
             replay.accepted_per_round.append(accepted)
             # committed: the accepted tokens and the target's next one; features at the root and accepted nodes
-            new_features = features[:, T + done - 1:T + done + accepted]  # (1, A+1, D_f)
-            new_tokens = torch.tensor(continuation[done:done + accepted + 1], device=device)  # (A+1,)
+            new_features = features[:, T + done - 1 : T + done + accepted]  # (1, A+1, D_f)
+            new_tokens = torch.tensor(continuation[done : done + accepted + 1], device=device)  # (A+1,)
             done += accepted + 1
     return replay

@@ -33,7 +33,9 @@ def fast_bf16(device: str | torch.device = "cpu") -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 # The attention backends decoding runs with on CUDA: all but cuDNN's. cuDNN attention, PyTorch's first
@@ -280,8 +282,11 @@ class TargetAdapter:
         ``<|im_end|>`` and ``<|endoftext|>`` for Qwen2.5); never hard-coded per model."""
         ids: list[int] = []
         gen = getattr(self.model, "generation_config", None)
-        for source in (getattr(gen, "eos_token_id", None), self.hf_config.eos_token_id,
-                       getattr(self.tokenizer, "eos_token_id", None)):
+        for source in (
+            getattr(gen, "eos_token_id", None),
+            self.hf_config.eos_token_id,
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
             for i in source if isinstance(source, (list, tuple)) else [source]:
                 if i is not None and int(i) not in ids:
                     ids.append(int(i))
@@ -326,15 +331,25 @@ class TargetAdapter:
             attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
             attn = attn[None, None]  # (1, 1, T, S)
         out = self.backbone(
-            input_ids=tokens, position_ids=positions[None], attention_mask=attn,
-            past_key_values=cache, use_cache=True, output_hidden_states=list(feature_layers or []) or None,
+            input_ids=tokens,
+            position_ids=positions[None],
+            attention_mask=attn,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=list(feature_layers or []) or None,
         )
         last = out.last_hidden_state  # (1, T, D), after the final norm
         logits = self.lm_head(last if all_logits else last[:, -1:])  # (1, T|1, V)
         return layer_features(out, feature_layers), logits.float()
 
-    def verify(self, tree_tokens: Tensor, tree_depths: Tensor, tree_mask: Tensor, cache: TargetCache,
-               feature_layers: tuple[int, ...] | None = None):
+    def verify(
+        self,
+        tree_tokens: Tensor,
+        tree_depths: Tensor,
+        tree_mask: Tensor,
+        cache: TargetCache,
+        feature_layers: tuple[int, ...] | None = None,
+    ):
         """One forward over a token tree written after the committed prefix (docs/method.md §5).
         tree_tokens/tree_depths: (N,), tree_mask: (N, N) ancestor-or-self. Returns (1,N,D_f), (1,N,V)."""
         n = cache.length

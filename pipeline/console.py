@@ -73,8 +73,16 @@ class Progress:
         self.closed = True
         if detail is not None:
             self.detail = detail
-        line = "  ".join(p for p in (f"[{self.label}]", f"{self.done:.0f}/{self.total:.0f} {self.unit}",
-                                      self.detail, f"in {_duration(time.monotonic() - self.start)}") if p)
+        line = "  ".join(
+            p
+            for p in (
+                f"[{self.label}]",
+                f"{self.done:.0f}/{self.total:.0f} {self.unit}",
+                self.detail,
+                f"in {_duration(time.monotonic() - self.start)}",
+            )
+            if p
+        )
         if self.live:
             terminal().write("\r\033[K")
         say(line)

@@ -19,6 +19,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.console import say
 
+
 def steps(cfg: RunConfig) -> list[str]:
     optional = {"regenerate": cfg.data.source == "regenerated", "tune-tree": cfg.decode.tune}
     names = ["target", "regenerate", "featurize", "train", "register", "tune-tree", "evaluate", "promote"]
@@ -47,19 +48,29 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     else:
         best = run_tune_tree(cfg, draft=model_uri)["best"]
     tree = TreeConfig(**{name: best[name] for name in ("total_tokens", "depth", "top_k")})
-    say(f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
-        f"(τ {best['tau']:.2f} on the calibration prompts)")
-    return cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"tree": tree}),
-                                  "eval": cfg.eval.model_copy(update={"tree": None})})
+    say(
+        f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
+        f"(τ {best['tau']:.2f} on the calibration prompts)"
+    )
+    return cfg.model_copy(
+        update={
+            "decode": cfg.decode.model_copy(update={"tree": tree}),
+            "eval": cfg.eval.model_copy(update={"tree": None}),
+        }
+    )
 
 
 def results_table(summary: dict[str, Any]) -> str:
-    lines = ["| dataset / T | τ (GRIFFIN) | GRIFFIN tok/s | vanilla tok/s | speedup vs vanilla |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| dataset / T | τ (GRIFFIN) | GRIFFIN tok/s | vanilla tok/s | speedup vs vanilla |",
+        "|---|---|---|---|---|",
+    ]
     for key, row in summary["results"].items():
         tps = row["tokens_per_s"]
-        lines.append(f"| {key} | {row['tau']:.3f} | {tps.get('griffin', 0):.1f} | {tps.get('vanilla', 0):.1f} | "
-                     f"{row['speedup'].get('vanilla', float('nan')):.2f}x |")
+        lines.append(
+            f"| {key} | {row['tau']:.3f} | {tps.get('griffin', 0):.1f} | {tps.get('vanilla', 0):.1f} | "
+            f"{row['speedup'].get('vanilla', float('nan')):.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -76,8 +87,10 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     ensure_ray(cfg)
     banner("target")
     target = load_target(cfg.target)
-    say(f"target {target.name}: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
-        f"{target.dtype}, {target.device}")
+    say(
+        f"target {target.name}: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
+        f"{target.dtype}, {target.device}"
+    )
     del target
     if "regenerate" in banner.steps:
         from pipeline.data.regenerate import run_regenerate
@@ -113,7 +126,13 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     for name, where in locations.items():
         say(f"{name:>13}: {where}")
     say(f"\nfinished in {time.time() - started:.0f}s")
-    result = {"table": table, "locations": locations, "promotion": promotion, "summary": summary,
-              "featurize": featurized, "elapsed_s": time.time() - started}
+    result = {
+        "table": table,
+        "locations": locations,
+        "promotion": promotion,
+        "summary": summary,
+        "featurize": featurized,
+        "elapsed_s": time.time() - started,
+    }
     (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))
     return {"locations": locations, "promotion": promotion["promoted"], "elapsed_s": round(result["elapsed_s"])}

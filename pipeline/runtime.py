@@ -40,8 +40,15 @@ def ensure_ray(cfg: RunConfig) -> None:
     # server at all it logged a failed query every second.
     port = free_port()
     env_vars = {**(runtime_env or {}).get("env_vars", {}), "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=port, runtime_env={**(runtime_env or {}), "env_vars": env_vars}, log_to_driver=True)
+    ray.init(
+        address="local",
+        num_cpus=cfg.cluster.num_cpus,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+        runtime_env={**(runtime_env or {}), "env_vars": env_vars},
+        log_to_driver=True,
+    )
 
 
 def free_port() -> int:
@@ -63,8 +70,9 @@ def setup_mlflow(cfg: RunConfig):
     artifact_root = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
     if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
         try:
-            mlflow.create_experiment(cfg.tracking.experiment,
-                                     artifact_location=artifact_root if uri.startswith("sqlite") else None)
+            mlflow.create_experiment(
+                cfg.tracking.experiment, artifact_location=artifact_root if uri.startswith("sqlite") else None
+            )
         except Exception as error:  # another process created it first
             if "already exists" not in str(error):
                 raise

@@ -21,27 +21,39 @@ from typing import Any
 from pipeline.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = {"featurize": "featurize", "train": "train", "register": "register", "eval": "evaluate",
-          "serve": "serve", "run": "run"}
+STAGES = {
+    "featurize": "featurize",
+    "train": "train",
+    "register": "register",
+    "eval": "evaluate",
+    "serve": "serve",
+    "run": "run",
+}
 EXCLUDES = [".venv", ".git", "outputs", "**/__pycache__", "benchmarks/*.png", "*.egg-info"]
 
 
-def job_entrypoint(stage: str, config_path: str, overrides: list[str], python: str | None = None,
-                   stage_flags: list[str] = ()) -> str:
+def job_entrypoint(
+    stage: str, config_path: str, overrides: list[str], python: str | None = None, stage_flags: list[str] = ()
+) -> str:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; choose one of {sorted(STAGES)}")
     config = Path(config_path).resolve()
     try:
         config_arg = str(config.relative_to(REPO))  # inside the working_dir that travels with the job
     except ValueError:
-        raise ValueError(f"config {config_path} must live inside the repository ({REPO}) to travel with the job") from None
+        raise ValueError(
+            f"config {config_path} must live inside the repository ({REPO}) to travel with the job"
+        ) from None
     parts = [python or sys.executable, "-m", f"jobs.{STAGES[stage]}", "-c", config_arg, *stage_flags, *overrides]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def runtime_env(cfg: RunConfig) -> dict[str, Any]:
-    env = {"working_dir": str(REPO), "excludes": EXCLUDES,
-           "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "GRIFFIN_CACHE_DIR": os.environ.get("GRIFFIN_CACHE_DIR", "")}}
+    env = {
+        "working_dir": str(REPO),
+        "excludes": EXCLUDES,
+        "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "GRIFFIN_CACHE_DIR": os.environ.get("GRIFFIN_CACHE_DIR", "")},
+    }
     extra = dict(cfg.cluster.runtime_env)
     env["env_vars"] = {k: v for k, v in {**env["env_vars"], **extra.pop("env_vars", {})}.items() if v}
     return {**env, **extra}
@@ -65,9 +77,16 @@ def _submit_when_ready(submit: Any, wait_s: float = 120.0) -> str:
             time.sleep(2.0)
 
 
-def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None = None,
-               overrides: list[str] | None = None, no_wait: bool | None = False, timeout_s: float = 3600,
-               stage_flags: list[str] | None = None) -> dict[str, Any]:
+def run_submit(
+    cfg: RunConfig,
+    stage: str,
+    address: str,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    no_wait: bool | None = False,
+    timeout_s: float = 3600,
+    stage_flags: list[str] | None = None,
+) -> dict[str, Any]:
     """Submit, stream the logs until the job ends (unless ``no_wait``), return its status."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -76,9 +95,14 @@ def run_submit(cfg: RunConfig, stage: str, address: str, config_path: str | None
     if config_path is None:
         raise ValueError("griffin submit needs the config file path (-c) to send with the job")
     entrypoint = job_entrypoint(stage, config_path, overrides or [], cfg.cluster.python, stage_flags or [])
-    job_id = _submit_when_ready(lambda: client.submit_job(
-        entrypoint=entrypoint, runtime_env=runtime_env(cfg), entrypoint_num_gpus=cfg.cluster.driver_gpus or None,
-        metadata={"griffin_stage": stage, "run_name": cfg.run_name}))
+    job_id = _submit_when_ready(
+        lambda: client.submit_job(
+            entrypoint=entrypoint,
+            runtime_env=runtime_env(cfg),
+            entrypoint_num_gpus=cfg.cluster.driver_gpus or None,
+            metadata={"griffin_stage": stage, "run_name": cfg.run_name},
+        )
+    )
     print(f"[submit] {stage} -> {address} as {job_id}: {entrypoint}", flush=True)
     if no_wait:
         return {"job_id": job_id, "status": str(client.get_job_status(job_id))}

@@ -61,8 +61,16 @@ def tiny_deployment(tmp: Path, *overrides: str):
     target = load_target(load_config(tiny, [f"output_dir={tmp}"]).target)
     torch.manual_seed(0)
     draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft", target)
-    cfg = load_config(tiny, [f"output_dir={tmp}", f"serve.draft_uri={draft_dir}", f"serve.port={free_port()}",
-                             "cluster.num_cpus=2", *overrides])
+    cfg = load_config(
+        tiny,
+        [
+            f"output_dir={tmp}",
+            f"serve.draft_uri={draft_dir}",
+            f"serve.port={free_port()}",
+            "cluster.num_cpus=2",
+            *overrides,
+        ],
+    )
     url = start_serve(cfg)
     try:
         with httpx.Client(base_url=url, timeout=120) as client:
@@ -89,11 +97,21 @@ def opened_outside_checkout() -> list[str]:
 def pytest_sessionfinish(session, exitstatus):
     outside = opened_outside_checkout()
     if outside:
-        print("\nfiles opened beside the checkout (the project must carry what it reads):\n  " + "\n  ".join(outside[:20]))
+        print(
+            "\nfiles opened beside the checkout (the project must carry what it reads):\n  " + "\n  ".join(outside[:20])
+        )
         session.exitstatus = 1
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=512,
+)
 
 
 def make_target(arch: str = "llama", seed: int = 0, **overrides) -> TargetAdapter:
@@ -150,7 +168,7 @@ class OracleDraft(torch.nn.Module):
         return features
 
     def step(self, features, tokens, positions, cache, mask):
-        del self.entry_tokens[cache.length:]  # the tree code rolls back cache.length each round
+        del self.entry_tokens[cache.length :]  # the tree code rolls back cache.length each round
         self.entry_tokens.extend(tokens[0].tolist())
         cache.length += tokens.shape[1]
         rows = []

@@ -31,12 +31,21 @@ def check(path: str, reference: dict) -> dict:
     model.lm_head.register_forward_hook(lambda module, inputs, output: captured.append(output))
     T = reference["tokens"].shape[1]
     with torch.no_grad():  # one draft step over T positions: (f_t, token_t) -> logits over the draft vocabulary
-        model(hidden_states=reference["features"], input_ids=reference["tokens"],
-              document_ids=torch.zeros(1, T, dtype=torch.long), position_ids=torch.arange(T)[None], ttt_steps=1)
+        model(
+            hidden_states=reference["features"],
+            input_ids=reference["tokens"],
+            document_ids=torch.zeros(1, T, dtype=torch.long),
+            position_ids=torch.arange(T)[None],
+            ttt_steps=1,
+        )
     return {
-        "config": type(config).__name__, "layers": config.eagle_aux_hidden_state_layer_ids,
-        "draft_vocab_size": config.draft_vocab_size, "verifier": config.speculators_config.verifier.name_or_path,
-        "file_keys": sorted(saved), "model_keys": sorted(loaded), "weight_diff": weight_diff,
+        "config": type(config).__name__,
+        "layers": config.eagle_aux_hidden_state_layer_ids,
+        "draft_vocab_size": config.draft_vocab_size,
+        "verifier": config.speculators_config.verifier.name_or_path,
+        "file_keys": sorted(saved),
+        "model_keys": sorted(loaded),
+        "weight_diff": weight_diff,
         "logit_diff": (captured[0] - reference["logits"]).abs().max().item(),
         "d2t": saved["d2t"].tolist() if "d2t" in saved else None,
     }
@@ -47,10 +56,17 @@ def main(speculators_dir: str, specforge_dir: str, verifier: str, reference_path
 
     reference = torch.load(reference_path, weights_only=True)
     print(json.dumps({"layout": "speculators", **check(speculators_dir, reference)}))
-    specforge_ids = json.loads(open(f"{specforge_dir}/config.json").read())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    specforge_ids = json.loads(open(f"{specforge_dir}/config.json").read())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ]
     # the converter takes vLLM's numbering (HF hidden_states indices): SpecForge's layer outputs + 1
-    Eagle3Converter().convert(specforge_dir, scratch, base_model=verifier, validate=True,
-                              eagle_aux_hidden_state_layer_ids=[i + 1 for i in specforge_ids])
+    Eagle3Converter().convert(
+        specforge_dir,
+        scratch,
+        base_model=verifier,
+        validate=True,
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in specforge_ids],
+    )
     print(json.dumps({"layout": "specforge", **check(scratch, reference)}))
 
 

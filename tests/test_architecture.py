@@ -84,7 +84,8 @@ def test_pipeline_root_stays_small():
     root = sorted(p.name for p in (REPO / "pipeline").glob("*.py") if p.name != "__init__.py")
     assert len(root) <= 8, root
     assert set(p.name for p in (REPO / "pipeline").iterdir() if (p / "__init__.py").is_file()) >= set(
-        name.split(".")[1] for name in ALLOWED)
+        name.split(".")[1] for name in ALLOWED
+    )
 
 
 def test_every_package_says_what_it_owns():

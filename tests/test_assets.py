@@ -67,7 +67,9 @@ def test_complete_marker_short_circuits(fake_split_asset, tmp_path):
     target = tmp_path / "targets" / "fake"
     target.mkdir(parents=True)
     parts = [p.requirement for p in fake_split_asset.parts]
-    (target / MARKER).write_text(json.dumps({"parts": parts, "sha256": fake_split_asset.sha256, "layout": CACHE_LAYOUT}))
+    (target / MARKER).write_text(
+        json.dumps({"parts": parts, "sha256": fake_split_asset.sha256, "layout": CACHE_LAYOUT})
+    )
     # The sha256 in the table is wrong for the fake parts: had it rebuilt, this would raise.
     assert prepare_asset("fake", cache_dir=tmp_path, install=False) == target
 
@@ -115,7 +117,10 @@ def test_smollm2_cache_contents(smollm2_dir):
     assert not list(smollm2_dir.glob("*.gguf"))
     config = AutoConfig.from_pretrained(smollm2_dir)
     assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == (
-        "llama", 576, 30, 49152,
+        "llama",
+        576,
+        30,
+        49152,
     )
     assert config.tie_word_embeddings
     with safe_open(smollm2_dir / "model.safetensors", "pt") as weights:  # the tied tensor under HF's name

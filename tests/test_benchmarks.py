@@ -16,8 +16,18 @@ SCRIPTS = sorted((REPO / "benchmarks").rglob("*.py"))
 
 def _runs_only_as_main(tree: ast.Module) -> bool:
     """No top-level statement but imports, definitions, assignments, docstrings and the ``__main__`` guard."""
-    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
-             ast.AnnAssign, ast.If, ast.Expr, ast.Try)
+    quiet = (
+        ast.Import,
+        ast.ImportFrom,
+        ast.FunctionDef,
+        ast.AsyncFunctionDef,
+        ast.ClassDef,
+        ast.Assign,
+        ast.AnnAssign,
+        ast.If,
+        ast.Expr,
+        ast.Try,
+    )
     return all(isinstance(node, quiet) for node in tree.body)
 
 

@@ -84,10 +84,13 @@ def test_reduced_vocab_round_trip(target, tmp_path):
     assert torch.equal(draft_logits(draft), draft_logits(loaded))
 
 
-@pytest.mark.parametrize("shape, trainable", [
-    (dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, vocab_size=32000), 416_301_056),
-    (dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, vocab_size=49152), 8_186_112),
-])
+@pytest.mark.parametrize(
+    "shape, trainable",
+    [
+        (dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, vocab_size=32000), 416_301_056),
+        (dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, vocab_size=49152), 8_186_112),
+    ],
+)
 def test_parameter_count(shape, trainable):
     """docs/method.md §2.5 (LLaMA2-7B and SmolLM2, MHA) trainable counts; built on meta."""
     cfg = DraftConfig(num_key_value_heads=shape["num_attention_heads"], **shape)
@@ -99,16 +102,25 @@ def test_parameter_count(shape, trainable):
 
 def upstream_table(H: int, I: int, V: int, griffin: bool = True) -> dict[str, tuple[int, ...]]:
     """docs/method.md §2.5's key list with its shapes, for hidden H, intermediate I, vocab V (MHA)."""
-    fusion = {
-        "fc.fc.weight": (H, 2 * H), "fc.fc.bias": (H,),
-        "fc.post_attention_layernorm.weight": (H,), "fc.mlp.input_layernorm.weight": (H,),
-        "fc.mlp.up_proj.weight": (I, 2 * H), "fc.mlp.down_proj.weight": (H, I),
-    } if griffin else {"fc.weight": (H, 2 * H), "fc.bias": (H,)}
+    fusion = (
+        {
+            "fc.fc.weight": (H, 2 * H),
+            "fc.fc.bias": (H,),
+            "fc.post_attention_layernorm.weight": (H,),
+            "fc.mlp.input_layernorm.weight": (H,),
+            "fc.mlp.up_proj.weight": (I, 2 * H),
+            "fc.mlp.down_proj.weight": (H, I),
+        }
+        if griffin
+        else {"fc.weight": (H, 2 * H), "fc.bias": (H,)}
+    )
     return {
-        "embed_tokens.weight": (V, H), **fusion,
+        "embed_tokens.weight": (V, H),
+        **fusion,
         **{f"layers.0.self_attn.{p}_proj.weight": (H, H) for p in "qkvo"},
         "layers.0.post_attention_layernorm.weight": (H,),
-        "layers.0.mlp.gate_proj.weight": (I, H), "layers.0.mlp.up_proj.weight": (I, H),
+        "layers.0.mlp.gate_proj.weight": (I, H),
+        "layers.0.mlp.up_proj.weight": (I, H),
         "layers.0.mlp.down_proj.weight": ((2 if griffin else 1) * H, I),
     }
 
@@ -150,8 +162,13 @@ def test_hf_export_keeps_reduced_vocab(target, tmp_path):
     from safetensors.torch import load_file
 
     names = set(load_file(out / WEIGHTS_NAME))
-    assert {"model.embed_tokens.weight", "model.fc.weight", "model.fusion.up_proj.weight",
-            "model.layers.0.mlp.down_proj.weight", "d2t"} <= names
+    assert {
+        "model.embed_tokens.weight",
+        "model.fc.weight",
+        "model.fusion.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "d2t",
+    } <= names
     assert all(n.startswith("model.") for n in names - {"d2t"})
     assert_same_weights(draft, load_export(out, target))
     with pytest.raises(ValueError, match="reduced vocabulary"):

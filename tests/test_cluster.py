@@ -18,14 +18,23 @@ from tests.conftest import free_port
 REPO = Path(__file__).resolve().parents[1]
 # A node drains for up to 30 s on SIGTERM (Serve's graceful hand-over) before it stops: off, the
 # fixture's teardown is seconds
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+ENV = {
+    **os.environ,
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+}
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def start_node(*args) -> subprocess.Popen:
-    return subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -50,15 +59,31 @@ def two_node_cluster():
     gcs, dashboard = free_port(), free_port()
     # every agent port explicit and free: another Ray on this machine (a developer's run) holds the defaults,
     # and a head whose job agent cannot bind answers "No available agent to submit job" forever
-    agents = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                      f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
-    nodes = [start_node("--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                        "--include-dashboard=true", "--num-cpus=3", '--resources={"node_a": 1, "griffin_slot": 1}',
-                        *agents())]
+    agents = lambda: [
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+    ]
+    nodes = [
+        start_node(
+            "--head",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--include-dashboard=true",
+            "--num-cpus=3",
+            '--resources={"node_a": 1, "griffin_slot": 1}',
+            *agents(),
+        )
+    ]
     try:  # the nodes are stopped even when setting up fails
         wait_for_dashboard(f"http://127.0.0.1:{dashboard}")
-        nodes.append(start_node(f"--address=127.0.0.1:{gcs}", "--num-cpus=3",
-                                '--resources={"node_b": 1, "griffin_slot": 1}', *agents()))
+        nodes.append(
+            start_node(
+                f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}', *agents()
+            )
+        )
         wait_for_nodes(gcs, 2)
         yield f"http://127.0.0.1:{dashboard}"
     finally:
@@ -86,10 +111,14 @@ def wait_for_dashboard(address: str) -> None:
 def wait_for_nodes(gcs: int, count: int) -> None:
     deadline = time.time() + 120
     while time.time() < deadline:
-        listing = subprocess.run([RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
-                                 env=ENV, capture_output=True, text=True).stdout
+        listing = subprocess.run(
+            [RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+        ).stdout
         try:
-            alive = json.loads(listing[listing.find("["):]) if "[" in listing else []
+            alive = json.loads(listing[listing.find("[") :]) if "[" in listing else []
         except json.JSONDecodeError:  # the state API is still starting
             alive = []
         if sum(n.get("state") == "ALIVE" for n in alive) == count:
@@ -100,32 +129,69 @@ def wait_for_nodes(gcs: int, count: int) -> None:
 
 def submit(stage, address, tmp_path, *overrides):
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "submit", stage, "-c", "jobs/configs/tiny.yaml", f"output_dir={tmp_path}",
-         "run_name=cluster", *overrides, "--address", address],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "submit",
+            stage,
+            "-c",
+            "jobs/configs/tiny.yaml",
+            f"output_dir={tmp_path}",
+            "run_name=cluster",
+            *overrides,
+            "--address",
+            address,
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.timeout(900)
 def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
-    featurize = submit("featurize", two_node_cluster, tmp_path, "features.num_actors=2",
-                       "features.resources={griffin_slot: 1}")
+    featurize = submit(
+        "featurize", two_node_cluster, tmp_path, "features.num_actors=2", "features.resources={griffin_slot: 1}"
+    )
     assert featurize.returncode == 0, featurize.stdout[-3000:] + featurize.stderr[-3000:]
     assert "SUCCEEDED" in featurize.stdout
     manifest = json.loads((tmp_path / "cluster" / "features" / "_manifest.json").read_text())
     assert manifest["complete"] and len({part.get("node") for part in manifest["files"]} - {None}) == 2
 
-    train = submit("train", two_node_cluster, tmp_path, "train.num_workers=2", "train.resources={griffin_slot: 1}",
-                   "train.schedule=[{stage: 1, steps: 3}]", "train.checkpoint_every=3")
+    train = submit(
+        "train",
+        two_node_cluster,
+        tmp_path,
+        "train.num_workers=2",
+        "train.resources={griffin_slot: 1}",
+        "train.schedule=[{stage: 1, steps: 3}]",
+        "train.checkpoint_every=3",
+    )
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
-    nodes = {json.loads(line)["node"] for r in (0, 1)
-             for line in (tmp_path / "cluster" / "train" / "stage1" / f"data_rank{r}.jsonl").read_text().splitlines()}
+    nodes = {
+        json.loads(line)["node"]
+        for r in (0, 1)
+        for line in (tmp_path / "cluster" / "train" / "stage1" / f"data_rank{r}.jsonl").read_text().splitlines()
+    }
     assert len(nodes) == 2
     assert (tmp_path / "cluster" / "train" / "best" / "model.safetensors").exists()
 
     # a stage's own flags travel with the job: stage 1 is done, `--stage 2` trains only stage 2 from it
     two_stages = "train.schedule=[{stage: 1, steps: 3}, {stage: 2, steps: 2}]"
-    second = submit("train", two_node_cluster, tmp_path, "--stage", "2", "train.num_workers=2",
-                    "train.resources={griffin_slot: 1}", two_stages, "train.checkpoint_every=2")
+    second = submit(
+        "train",
+        two_node_cluster,
+        tmp_path,
+        "--stage",
+        "2",
+        "train.num_workers=2",
+        "train.resources={griffin_slot: 1}",
+        two_stages,
+        "train.checkpoint_every=2",
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "jobs.train -c jobs/configs/tiny.yaml --stage 2" in second.stdout
     assert "stage 1 already complete" in second.stdout
@@ -164,7 +230,13 @@ print("ALIVE", ray.get(alive.remote(probe._actor_id.hex())))
 
 def test_a_local_run_beside_the_cluster_queries_its_own_state_api(two_node_cluster, tmp_path):
     env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
-    run = subprocess.run([sys.executable, "-c", LOCAL_STATE_API.format(out=tmp_path)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-c", LOCAL_STATE_API.format(out=tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ALIVE True" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

@@ -10,12 +10,17 @@ from pipeline.config import load_config, merge
 def test_merge_maps_key_by_key_and_replaces_lists():
     base = {"train": {"batch_tokens": 2048, "schedule": [1, 2]}, "data": {"limit": 5}}
     assert merge(base, {"train": {"schedule": [3]}, "run_name": "x"}) == {
-        "train": {"batch_tokens": 2048, "schedule": [3]}, "data": {"limit": 5}, "run_name": "x"}
+        "train": {"batch_tokens": 2048, "schedule": [3]},
+        "data": {"limit": 5},
+        "run_name": "x",
+    }
 
 
 def test_extends_chain_and_overrides_apply_last(tmp_path):
-    (tmp_path / "base.yaml").write_text("output_dir: out\ntarget: {name: tiny-llama, dtype: float32}\n"
-                                        "decode: {tree: {total_tokens: 8, depth: 3, top_k: 3}}\n")
+    (tmp_path / "base.yaml").write_text(
+        "output_dir: out\ntarget: {name: tiny-llama, dtype: float32}\n"
+        "decode: {tree: {total_tokens: 8, depth: 3, top_k: 3}}\n"
+    )
     (tmp_path / "mid.yaml").write_text("extends: base.yaml\nrun_name: mid\ntrain: {batch_tokens: 512}\n")
     (tmp_path / "top.yaml").write_text("extends: mid.yaml\nrun_name: top\n")
     cfg = load_config(tmp_path / "top.yaml", ["train.batch_tokens=256"])
@@ -44,5 +49,8 @@ def test_the_tree_has_one_home():
 
 
 def test_split_extra_keeps_stage_flags_with_their_values():
-    assert split_extra(["a.b=1", "--stage", "2", "--promote", "c=2"]) == (["a.b=1", "c=2"], ["--stage", "2", "--promote"])
+    assert split_extra(["a.b=1", "--stage", "2", "--promote", "c=2"]) == (
+        ["a.b=1", "c=2"],
+        ["--stage", "2", "--promote"],
+    )
     assert split_extra(["stray"]) == (["stray"], [])  # not an override: load_config names it

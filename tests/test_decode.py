@@ -18,9 +18,8 @@ TREES = {
 
 
 def hf_greedy(target, ids, max_new, stop):
-    out = target.model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=stop or None,
-                                pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+    out = target.model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=stop or None, pad_token_id=0)
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -71,8 +70,9 @@ def test_stop_tokens_mid_acceptance():
         stop = [full[stop_at]]
         first = full.index(stop[0])
         ref = vanilla_generate(target, ids, GREEDY, 20, stop_token_ids=stop)
-        spec = speculative_generate(target, OracleDraft(target, 5), ids, TREES["chain"], GREEDY, 20,
-                                    stop_token_ids=stop)
+        spec = speculative_generate(
+            target, OracleDraft(target, 5), ids, TREES["chain"], GREEDY, 20, stop_token_ids=stop
+        )
         assert spec.tokens == ref.tokens == full[: first + 1]
         assert spec.finish_reason == "stop"
         assert hf_greedy(target, ids, 20, stop) == full[: first + 1]
@@ -106,9 +106,15 @@ def _exact_joint(target, prompt, sampling):
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("variant,sampling,n", [
-    ("griffin", SamplingConfig(temperature=1.0), 2000), ("griffin", SamplingConfig(temperature=0.7, top_p=0.8), 2000),
-    ("eagle3", SamplingConfig(temperature=1.0), 1000)], ids=["T1", "T0.7-top_p", "eagle3-T1"])
+@pytest.mark.parametrize(
+    "variant,sampling,n",
+    [
+        ("griffin", SamplingConfig(temperature=1.0), 2000),
+        ("griffin", SamplingConfig(temperature=0.7, top_p=0.8), 2000),
+        ("eagle3", SamplingConfig(temperature=1.0), 1000),
+    ],
+    ids=["T1", "T0.7-top_p", "eagle3-T1"],
+)
 def test_sampling_matches_target_end_to_end(variant, sampling, n):
     """Joint law of the first two sampled tokens (the second goes through tree verification) ==
     the target's, by a chi-square test over n seeded generations (the 20k-draw test of the
@@ -121,8 +127,9 @@ def test_sampling_matches_target_end_to_end(variant, sampling, n):
     prompt, tree = torch.tensor([[1, 4, 3]]), TreeConfig(total_tokens=6, depth=3, top_k=3)
     counts = torch.zeros(8, 8)
     for seed in range(n):
-        out = speculative_generate(target, draft, prompt, tree, sampling, 2, torch.Generator().manual_seed(seed),
-                                   stop_token_ids=[]).tokens
+        out = speculative_generate(
+            target, draft, prompt, tree, sampling, 2, torch.Generator().manual_seed(seed), stop_token_ids=[]
+        ).tokens
         counts[out[0], out[1]] += 1
     expected = _exact_joint(target, prompt, sampling).double().flatten() * n
     keep = expected > 5  # chi-square needs populated cells; the rest are pooled into one
@@ -142,8 +149,9 @@ def test_on_tokens_streams_every_committed_token_once():
     target = make_target("llama")
     ids = torch.tensor([[5, 9, 17, 33]])
     chunks = []
-    spec = speculative_generate(target, OracleDraft(target, 5), ids, TREES["chain"], GREEDY, 17,
-                                stop_token_ids=[], on_tokens=chunks.append)
+    spec = speculative_generate(
+        target, OracleDraft(target, 5), ids, TREES["chain"], GREEDY, 17, stop_token_ids=[], on_tokens=chunks.append
+    )
     assert [t for c in chunks for t in c] == spec.tokens and len(chunks) == spec.stats.rounds + 1
     chunks.clear()
     ref = vanilla_generate(target, ids, GREEDY, 5, stop_token_ids=[], on_tokens=chunks.append)

@@ -19,8 +19,9 @@ GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
 
 def griffin(*args, timeout=600, **kwargs):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    return subprocess.run([*GRIFFIN, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
+    return subprocess.run(
+        [*GRIFFIN, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
 
 
 def overrides(tmp_path, name):
@@ -34,8 +35,15 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     # training, the registry, Serve); the interrupt test below runs GRIFFIN. One training stage of two
     # unrolled steps: each stage is a Ray Train run of its own, and a schedule's stages, each from the
     # previous best, are test_train.py's three-stage run
-    steps = ["draft.variant=eagle3", "data.source=regenerated", "regenerate.max_new_tokens=24", "decode.tune=true",
-             "decode.tune_prompts=1", "decode.tune_max_new_tokens=8", "train.schedule=[{stage: 2, steps: 6, lr: 0.003}]"]
+    steps = [
+        "draft.variant=eagle3",
+        "data.source=regenerated",
+        "regenerate.max_new_tokens=24",
+        "decode.tune=true",
+        "decode.tune_prompts=1",
+        "decode.tune_max_new_tokens=8",
+        "train.schedule=[{stage: 2, steps: 6, lr: 0.003}]",
+    ]
     first = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"), *steps)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
@@ -83,15 +91,33 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
 @pytest.mark.timeout(900)
 def test_interrupted_run_resumes_without_duplicates(tmp_path):
     """Kill `griffin run` once training has checkpointed; the rerun finishes from there."""
-    args = ["run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "kill"),
-            "train.schedule=[{stage: 1, steps: 40, lr: 0.003}]", "train.checkpoint_every=4",
-            "eval.through_serve=false", "eval.num_questions=1", "eval.max_new_tokens=4"]  # Serve: the other test
+    args = [
+        "run",
+        "-c",
+        "jobs/configs/tiny.yaml",
+        *overrides(tmp_path, "kill"),
+        "train.schedule=[{stage: 1, steps: 40, lr: 0.003}]",
+        "train.checkpoint_every=4",
+        "eval.through_serve=false",
+        "eval.num_questions=1",
+        "eval.max_new_tokens=4",
+    ]  # Serve: the other test
     # the killed run's Ray Train polls at its default 2 s (conftest sets 0.25 s): a report waits for the
     # previous one to be polled, which paces its tiny steps so that the kill lands mid-stage
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
-    proc = subprocess.Popen([*GRIFFIN, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2",
+    }
+    proc = subprocess.Popen(
+        [*GRIFFIN, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     # kill once Ray Train has recorded a checkpoint (its manager snapshot lists it): a checkpoint
     # folder alone is not yet one that a rerun restores
     snapshot = tmp_path / "kill" / "ray_train" / "kill-stage1" / "checkpoint_manager_snapshot.json"
@@ -108,7 +134,7 @@ def test_interrupted_run_resumes_without_duplicates(tmp_path):
     rerun = griffin(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in log.read_text().splitlines()]
-    resumed = steps[len(steps_before):]
+    resumed = steps[len(steps_before) :]
     assert resumed[0] > 1 and resumed[-1] == 40  # continued from a checkpoint, not from step 1
     from pipeline.data.store import part_files, read_manifest
     import pyarrow.parquet as pq

@@ -29,8 +29,14 @@ def test_default_layers_and_variant_configs():
     assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2-135M: low, mid, high
     assert default_feature_layers(32) == (2, 16, 29)  # LLaMA-3-8B, EAGLE-3's choice
     assert default_feature_layers(2) == (1, 2)  # kept inside the target
-    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128)
+    hf = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=30,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     eagle3, griffin3 = DraftConfig.from_target(hf, "eagle3"), DraftConfig.from_target(hf, "griffin3")
     assert eagle3.feature_layers == griffin3.feature_layers == (2, 15, 27) and eagle3.input_feature_size == 192
     assert eagle3.decoder_input == "concat" and not eagle3.token_guided_fusion and not eagle3.token_enhanced_head
@@ -57,7 +63,7 @@ def test_target_layer_features_are_the_hidden_states(target):
     reference = target.model(ids, output_hidden_states=True)
     assert features.shape == (1, 9, 3 * 64)
     for k, i in enumerate(layers):
-        torch.testing.assert_close(features[..., 64 * k: 64 * (k + 1)], reference.hidden_states[i])
+        torch.testing.assert_close(features[..., 64 * k : 64 * (k + 1)], reference.hidden_states[i])
     torch.testing.assert_close(logits, reference.logits)
     last, _ = target.forward(ids, target.new_cache(16))
     torch.testing.assert_close(last, reference.hidden_states[-1])  # no layers: the final post-norm feature
@@ -71,8 +77,11 @@ def test_cached_step_equals_uncached_forward(target, variant):
     full_p, full_r = draft([layers], tokens)
     cache, outs = KVCache.allocate(draft.cfg, 32), []
     for lo, hi in [(0, 4), (4, 5), (5, 11)]:
-        outs.append(draft.step(draft.fuse_target(layers[:, lo:hi]), tokens[:, lo:hi], torch.arange(lo, hi), cache,
-                               causal(lo, hi - lo)))
+        outs.append(
+            draft.step(
+                draft.fuse_target(layers[:, lo:hi]), tokens[:, lo:hi], torch.arange(lo, hi), cache, causal(lo, hi - lo)
+            )
+        )
     torch.testing.assert_close(torch.cat([p for p, _ in outs], 1), full_p, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([r for _, r in outs], 1), full_r, atol=1e-5, rtol=1e-5)
 
@@ -89,12 +98,18 @@ def test_unrolled_training_step_equals_decode_time_draft_kv(target, variant):
     P, R = draft([layers, *own], tokens)
     for r in range(passes - 1, T):
         cache, n_true = KVCache.allocate(draft.cfg, 32), r - passes + 2
-        draft.step(draft.fuse_target(layers[:, :n_true]), tokens[:, :n_true], torch.arange(n_true), cache,
-                   causal(0, n_true))
+        draft.step(
+            draft.fuse_target(layers[:, :n_true]), tokens[:, :n_true], torch.arange(n_true), cache, causal(0, n_true)
+        )
         for k in range(1, passes):
             col = r - passes + 1 + k
-            p, rr = draft.step(own[k - 1][:, col:col + 1], tokens[:, col:col + 1], torch.tensor([col]), cache,
-                               torch.ones(1, cache.length + 1, dtype=torch.bool))
+            p, rr = draft.step(
+                own[k - 1][:, col : col + 1],
+                tokens[:, col : col + 1],
+                torch.tensor([col]),
+                cache,
+                torch.ones(1, cache.length + 1, dtype=torch.bool),
+            )
         torch.testing.assert_close(p[0, 0], P[0, r], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rr[0, 0], R[0, r], atol=1e-5, rtol=1e-5)
 
@@ -113,8 +128,11 @@ def test_trainable_head_starts_as_the_targets_head(target):
 
 
 @pytest.mark.parametrize("variant", MULTI)
-@pytest.mark.parametrize("tree", [TreeConfig(total_tokens=8, depth=3, top_k=3), TreeConfig(total_tokens=4, depth=3, top_k=1)],
-                         ids=["tree", "chain"])
+@pytest.mark.parametrize(
+    "tree",
+    [TreeConfig(total_tokens=8, depth=3, top_k=3), TreeConfig(total_tokens=4, depth=3, top_k=1)],
+    ids=["tree", "chain"],
+)
 def test_greedy_equals_vanilla(target, variant, tree):
     """Lossless at T=0, exactly in fp32, with a random draft and with one trained to agree more."""
     torch.manual_seed(1)
@@ -184,8 +202,15 @@ def test_store_layers_column_round_trip(tmp_path, dtype):
     hidden, stacked = torch.randn(T, H), torch.randn(T, k, H) * torch.tensor([0.1, 1.0, 30.0])[None, :, None]
     data, scales = st.encode_hidden(hidden, dtype)
     layers, layer_scales = st.encode_hidden(stacked.reshape(-1, H), dtype)
-    rows = {"sample_id": np.array(["a"]), "input_ids": [np.arange(T)], "loss_mask": [np.ones(T, np.uint8)],
-            "hidden": [data], "scales": [scales], "layers": [layers], "layer_scales": [layer_scales]}
+    rows = {
+        "sample_id": np.array(["a"]),
+        "input_ids": [np.arange(T)],
+        "loss_mask": [np.ones(T, np.uint8)],
+        "hidden": [data],
+        "scales": [scales],
+        "layers": [layers],
+        "layer_scales": [layer_scales],
+    }
     st.write_part(str(tmp_path / "v2"), "part-0.parquet", st.part_table(rows, dtype, H, layers=(2, 5, 9)))
     (row,) = st.iter_rows([str(tmp_path / "v2" / "part-0.parquet")], layers=True)
     decoded = st.decode_row(row, H, layers=True)
@@ -201,9 +226,15 @@ def test_store_layers_column_round_trip(tmp_path, dtype):
         st.decode_row(old, H, layers=True)
 
 
-CONVERSATIONS = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-                                    {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)}]}
-                 for i in range(24)]
+CONVERSATIONS = [
+    {
+        "conversations": [
+            {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+            {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
+        ]
+    }
+    for i in range(24)
+]
 
 
 def test_featurize_stores_the_layers_and_train_refuses_a_store_without_them(tmp_path, ray_local):
@@ -220,8 +251,10 @@ def test_featurize_stores_the_layers_and_train_refuses_a_store_without_them(tmp_
 
     data = tmp_path / "conversations.json"
     data.write_text(json.dumps(CONVERSATIONS))
-    cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"data.source={data}", "data.limit=null",
-                                                 "draft.variant=eagle3", "run_name=e3"])
+    cfg = load_config(
+        "jobs/configs/tiny.yaml",
+        [f"output_dir={tmp_path}", f"data.source={data}", "data.limit=null", "draft.variant=eagle3", "run_name=e3"],
+    )
     run_featurize(cfg)
     manifest = read_manifest(cfg.store_path)
     assert manifest["capture_key"]["feature_layers"] == [1, 2]
@@ -233,9 +266,12 @@ def test_featurize_stores_the_layers_and_train_refuses_a_store_without_them(tmp_
         expected = torch.cat([states[1][0], states[2][0]], -1)  # (T, 2D) fp32
         # the store rounds to bf16 (at most half an ulp, 2^-9 relative); featurize runs padded batches,
         # whose fp32 sums may differ in the last bits from this single row's, so allow one ulp (2^-8)
-        torch.testing.assert_close(decoded["layers"].float(), expected, atol=1e-6, rtol=2 ** -8)
+        torch.testing.assert_close(decoded["layers"].float(), expected, atol=1e-6, rtol=2**-8)
     _check_store_layers(cfg, target, manifest)  # the store holds the draft's layers: accepted
-    final_only = {**manifest, "capture_key": {k: v for k, v in manifest["capture_key"].items() if k != "feature_layers"}}
+    final_only = {
+        **manifest,
+        "capture_key": {k: v for k, v in manifest["capture_key"].items() if k != "feature_layers"},
+    }
     with pytest.raises(ValueError, match=r"reads target layers \[1, 2\].*only the final feature.*features.layers"):
         _check_store_layers(cfg, target, final_only)
     griffin = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", "run_name=e3"])

@@ -41,10 +41,19 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     assistant_dir = tmp_path / "assistant"  # the same tiny model saved, standing in for a smaller one
     target.model.save_pretrained(assistant_dir)
     target.tokenizer.save_pretrained(assistant_dir)
-    cfg = load_config(TINY, [f"output_dir={tmp_path}", f"eval.datasets=[{questions}]", "eval.temperatures=[0, 1]",
-                             "eval.num_questions=3", "eval.max_new_tokens=8", f"eval.assistant_model={assistant_dir}",
-                             "eval.baselines=[vanilla, hf_generate, hf_prompt_lookup, hf_assisted]",
-                             f"eval.extra_drafts={{eagle: {eagle_dir}}}"])
+    cfg = load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path}",
+            f"eval.datasets=[{questions}]",
+            "eval.temperatures=[0, 1]",
+            "eval.num_questions=3",
+            "eval.max_new_tokens=8",
+            f"eval.assistant_model={assistant_dir}",
+            "eval.baselines=[vanilla, hf_generate, hf_prompt_lookup, hf_assisted]",
+            f"eval.extra_drafts={{eagle: {eagle_dir}}}",
+        ],
+    )
     summary = run_eval(cfg, draft=str(draft_dir))
 
     methods = {"griffin", "eagle", "vanilla", "hf_generate", "hf_prompt_lookup", "hf_assisted"}
@@ -90,9 +99,18 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
 
     questions = tmp_path / "three.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    cfg = load_config(TINY, [f"output_dir={tmp_path}", f"eval.datasets=[{questions}]", "eval.temperatures=[0]",
-                             "eval.num_questions=3", "eval.max_new_tokens=8", "eval.baselines=[vanilla]",
-                             "eval.through_serve=false"])
+    cfg = load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path}",
+            f"eval.datasets=[{questions}]",
+            "eval.temperatures=[0]",
+            "eval.num_questions=3",
+            "eval.max_new_tokens=8",
+            "eval.baselines=[vanilla]",
+            "eval.through_serve=false",
+        ],
+    )
     target = load_target(cfg.target)
     torch.manual_seed(0)
     draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
@@ -139,8 +157,15 @@ def test_griffin_run_reuses_a_finished_eval_only_with_the_same_settings(tmp_path
 
     questions = tmp_path / "one.jsonl"
     questions.write_text(json.dumps(QUESTIONS[2]) + "\n")
-    same = [f"output_dir={tmp_path}", f"eval.datasets=[{questions}]", "eval.temperatures=[0]", "eval.num_questions=1",
-            "eval.max_new_tokens=6", "eval.baselines=[vanilla]", "eval.through_serve=false"]
+    same = [
+        f"output_dir={tmp_path}",
+        f"eval.datasets=[{questions}]",
+        "eval.temperatures=[0]",
+        "eval.num_questions=1",
+        "eval.max_new_tokens=6",
+        "eval.baselines=[vanilla]",
+        "eval.through_serve=false",
+    ]
     cfg = load_config(TINY, same)
     target = load_target(cfg.target)
     torch.manual_seed(0)

@@ -51,10 +51,20 @@ def test_eagle3_layouts_names_and_vocabulary(target, tmp_path):
     for layout, layer in (("speculators", "layers.0"), ("specforge", "midlayer")):
         out = export_draft(tmp_path / "d", tmp_path / layout, layout=layout, target=target, verifier="org/target")
         tensors = load_file(out / WEIGHTS_NAME)
-        assert {"fc.weight", f"{layer}.hidden_norm.weight", f"{layer}.input_layernorm.weight",
-                f"{layer}.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight",
-                "d2t", "t2d"} <= set(tensors)
-        assert tensors["fc.weight"].shape == (64, 3 * 64) and tensors[f"{layer}.self_attn.q_proj.weight"].shape[1] == 128
+        assert {
+            "fc.weight",
+            f"{layer}.hidden_norm.weight",
+            f"{layer}.input_layernorm.weight",
+            f"{layer}.self_attn.q_proj.weight",
+            "norm.weight",
+            "lm_head.weight",
+            "embed_tokens.weight",
+            "d2t",
+            "t2d",
+        } <= set(tensors)
+        assert (
+            tensors["fc.weight"].shape == (64, 3 * 64) and tensors[f"{layer}.self_attn.q_proj.weight"].shape[1] == 128
+        )
         ids = sorted(D2T)
         assert tensors["d2t"].tolist() == [t - i for i, t in enumerate(ids)]  # target id = draft id + d2t
         assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].nonzero().flatten().tolist() == ids
@@ -64,7 +74,10 @@ def test_eagle3_layouts_names_and_vocabulary(target, tmp_path):
         torch.testing.assert_close(first_step_logits(reloaded, features, tokens), ours[..., order], rtol=0, atol=1e-6)
     config = json.loads((tmp_path / "speculators" / CONFIG_NAME).read_text())
     assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert config["speculators_config"]["verifier"] == {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
+    assert config["speculators_config"]["verifier"] == {
+        "name_or_path": "org/target",
+        "architectures": ["LlamaForCausalLM"],
+    }
     flat = json.loads((tmp_path / "specforge" / CONFIG_NAME).read_text())
     assert flat["architectures"] == ["LlamaForCausalLMEagle3"] and flat["draft_vocab_size"] == len(D2T)
     # SGLang's numbering: layer outputs, one below HF's hidden_states indices (it captures id + 1)
@@ -108,8 +121,10 @@ def test_speculators_loads_our_exports(target, tmp_path):
     its own converter, the SpecForge export: every weight as written, and its first draft step
     computes our logits (fp32)."""
     if not (SPECULATORS_SITE / "speculators").is_dir():
-        pytest.fail(f"speculators is not installed in {SPECULATORS_SITE}: run `make test` (or "
-                    "`make .venv/speculators/.installed`)")
+        pytest.fail(
+            f"speculators is not installed in {SPECULATORS_SITE}: run `make test` (or "
+            "`make .venv/speculators/.installed`)"
+        )
     draft = eagle3_draft(target)
     save_draft(draft, tmp_path / "d")
     verifier = tmp_path / "verifier"  # the target as a checkpoint directory, which the converter reads
@@ -119,13 +134,25 @@ def test_speculators_loads_our_exports(target, tmp_path):
     exported = load_export(tmp_path / "speculators", target)  # vocabulary in ascending order, as they hold it
     torch.manual_seed(3)
     features, tokens = torch.randn(1, 11, draft.cfg.input_feature_size), torch.randint(0, 128, (1, 11))
-    torch.save({"features": features, "tokens": tokens,
-                "logits": first_step_logits(exported, features, tokens).detach()}, tmp_path / "reference.pt")
+    torch.save(
+        {"features": features, "tokens": tokens, "logits": first_step_logits(exported, features, tokens).detach()},
+        tmp_path / "reference.pt",
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SPECULATORS_SITE), str(Path.cwd())])}
     run = subprocess.run(
-        [sys.executable, "tests/speculators_check.py", str(tmp_path / "speculators"), str(tmp_path / "specforge"),
-         str(verifier), str(tmp_path / "reference.pt"), str(tmp_path / "converted")],
-        capture_output=True, text=True, env=env, timeout=240,
+        [
+            sys.executable,
+            "tests/speculators_check.py",
+            str(tmp_path / "speculators"),
+            str(tmp_path / "specforge"),
+            str(verifier),
+            str(tmp_path / "reference.pt"),
+            str(tmp_path / "converted"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -135,7 +162,10 @@ def test_speculators_loads_our_exports(target, tmp_path):
         assert report["config"] == "Eagle3SpeculatorConfig" and report["layers"] == [2, 4, 5]
         assert report["draft_vocab_size"] == len(D2T) and report["verifier"] == str(verifier)
         # the file holds every weight their model has, except the verifier's own head and norm (training only)
-        assert set(report["model_keys"]) - set(report["file_keys"]) == {"verifier_lm_head.weight", "verifier_norm.weight"}
+        assert set(report["model_keys"]) - set(report["file_keys"]) == {
+            "verifier_lm_head.weight",
+            "verifier_norm.weight",
+        }
         assert set(report["file_keys"]) == set(direct)
         assert report["weight_diff"] == 0.0 and report["d2t"] == direct["d2t"].tolist()
         assert report["logit_diff"] < 1e-5, report["logit_diff"]

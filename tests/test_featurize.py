@@ -20,7 +20,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing"
 
 
 def conversation(i):
-    user, reply = " ".join(WORDS[: 2 + i % 7]), " ".join(WORDS[i % 5: i % 5 + 1 + i % 9])
+    user, reply = " ".join(WORDS[: 2 + i % 7]), " ".join(WORDS[i % 5 : i % 5 + 1 + i % 9])
     turns = [("human", f"{i}: {user}?"), ("gpt", reply)] + [("human", "more"), ("gpt", "ok.")] * (i % 2)
     return {"conversations": [{"from": who, "value": text} for who, text in turns]}
 
@@ -37,14 +37,18 @@ def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "conversations.jsonl"
     lines = [json.dumps(conversation(i)) for i in range(14)]
     lines[3:3] = ['{"conversations": [', json.dumps({"messages": [{"role": "user", "content": "alone"}]})]
-    lines.append(json.dumps({"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]}))
+    lines.append(
+        json.dumps({"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]})
+    )
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def config(root, data, *overrides):
-    return load_config("jobs/configs/tiny.yaml", [f"output_dir={root}", f"data.source={data}", "data.limit=null",
-                                                  "data.shuffle_seed=null", *overrides])
+    return load_config(
+        "jobs/configs/tiny.yaml",
+        [f"output_dir={root}", f"data.source={data}", "data.limit=null", "data.shuffle_seed=null", *overrides],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,11 @@ def featurized(tmp_path_factory, data, ray_session):
             run_featurize(cfg)
     finally:
         del os.environ[FAULT_ENV]
-    interrupted = {"manifest": json.loads((Path(cfg.store_path) / "_manifest.json").read_text()),
-                   "parts": sorted(p.name for p in Path(cfg.store_path).glob("part-*.parquet")), "error": failure.value}
+    interrupted = {
+        "manifest": json.loads((Path(cfg.store_path) / "_manifest.json").read_text()),
+        "parts": sorted(p.name for p in Path(cfg.store_path).glob("part-*.parquet")),
+        "error": failure.value,
+    }
     (Path(cfg.store_path) / ".part-dead-00001.parquet.tmp-0").write_bytes(b"half a file")
     return cfg, run_featurize(cfg), interrupted
 
@@ -71,7 +78,9 @@ def stored_rows(store):
 def test_store_equals_direct_forward(featurized):
     """Every stored row: ids and mask as templated, features == the target's own forward (bf16)."""
     cfg, summary, _ = featurized
-    assert summary["complete"] and summary["rows"] == 14 and summary["files"] == 7  # 2 rows a part: 14 / 8 actors' share
+    assert (
+        summary["complete"] and summary["rows"] == 14 and summary["files"] == 7
+    )  # 2 rows a part: 14 / 8 actors' share
     target = load_target(cfg.target)
     rows = stored_rows(cfg.store_path)
     for record in map(conversation, range(14)):
@@ -90,7 +99,10 @@ def test_ledger_names_bad_records(featurized, data):
     assert summary["skipped"] == {"malformed": 1, "no_assistant_turn": 1, "too_long": 1}
     manifest = st.read_manifest(cfg.store_path)
     assert {(e["reason"], e["where"]) for e in manifest["skipped"]} == {
-        ("malformed", f"{data}:4"), ("no_assistant_turn", f"{data}:5"), ("too_long", f"{data}:17")}
+        ("malformed", f"{data}:4"),
+        ("no_assistant_turn", f"{data}:5"),
+        ("too_long", f"{data}:17"),
+    }
     assert manifest["capture_key"]["layer"] == "last_post_norm" and manifest["capture_key"]["post_norm"] is True
     assert manifest["config"]["data"]["source"] == str(data)
 
@@ -100,15 +112,22 @@ def test_featurizer_without_ray_ignores_padding(featurized):
     cfg, _, _ = featurized
     featurizer = Featurizer(cfg.target.model_dump(), batch_tokens=4096)
     short, long = np.arange(5, 12, dtype=np.int32), np.arange(5, 60, dtype=np.int32)
-    batch = {"sample_id": np.array(["a", "b"]), "input_ids": np.array([short, long], dtype=object),
-             "loss_mask": np.array([np.ones(7, np.uint8), np.ones(55, np.uint8)], dtype=object)}
+    batch = {
+        "sample_id": np.array(["a", "b"]),
+        "input_ids": np.array([short, long], dtype=object),
+        "loss_mask": np.array([np.ones(7, np.uint8), np.ones(55, np.uint8)], dtype=object),
+    }
     together = featurizer(batch)
     alone = Featurizer(cfg.target.model_dump(), batch_tokens=7)(batch)  # a budget that forces batches of one
     assert together["seq_len"].tolist() == [7, 55] and list(together["error"]) == ["", ""]
     for n, a, b in zip(together["seq_len"], together["hidden"], alone["hidden"]):
         row = {"input_ids": np.zeros(n), "loss_mask": np.zeros(n)}
-        torch.testing.assert_close(st.decode_row({**row, "hidden": a}, 64)["hidden"],
-                                   st.decode_row({**row, "hidden": b}, 64)["hidden"], atol=1e-2, rtol=1.6e-2)
+        torch.testing.assert_close(
+            st.decode_row({**row, "hidden": a}, 64)["hidden"],
+            st.decode_row({**row, "hidden": b}, 64)["hidden"],
+            atol=1e-2,
+            rtol=1.6e-2,
+        )
 
 
 def test_ray_dataset_reads_the_store(featurized):
@@ -173,15 +192,21 @@ def test_verify_flags_a_corrupted_file(featurized, tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_features_equal_hidden_states():
     """SmolLM2, one templated two-turn conversation: Featurizer == hidden_states[-1] of a plain forward."""
-    cfg = load_config("jobs/configs/tiny.yaml", ["target.name=smollm2-135m-instruct", "target.tiny=null",
-                                                 "target.dtype=bfloat16"])
+    cfg = load_config(
+        "jobs/configs/tiny.yaml", ["target.name=smollm2-135m-instruct", "target.tiny=null", "target.dtype=bfloat16"]
+    )
     featurizer = Featurizer(cfg.target.model_dump())
     target = featurizer.target
     messages = clean_messages(conversation(5), "auto", None)
     sample = build_sample(Conversation("one", messages, "-"), target.tokenizer, 512, set(target.stop_token_ids))
     assert sample.loss_mask.sum() > 0 and not sample.truncated
-    out = featurizer({"sample_id": np.array(["one"]), "input_ids": np.array([sample.input_ids]),
-                      "loss_mask": np.array([sample.loss_mask])})
+    out = featurizer(
+        {
+            "sample_id": np.array(["one"]),
+            "input_ids": np.array([sample.input_ids]),
+            "loss_mask": np.array([sample.loss_mask]),
+        }
+    )
     row = {"hidden": out["hidden"][0], "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
     ids = torch.as_tensor(sample.input_ids, dtype=torch.long)[None]  # (1, T)
     with torch.inference_mode():

@@ -33,9 +33,13 @@ def test_featurizer_on_cuda_matches_cpu():
     from pipeline.data.store import decode_row
 
     rng = np.random.default_rng(0)
-    batch = {"sample_id": np.asarray(["a", "b"]), "input_ids": np.asarray(
-        [rng.integers(3, 200, 40, dtype=np.int32), rng.integers(3, 200, 17, dtype=np.int32)], dtype=object),
-        "loss_mask": np.asarray([np.ones(40, np.uint8), np.ones(17, np.uint8)], dtype=object)}
+    batch = {
+        "sample_id": np.asarray(["a", "b"]),
+        "input_ids": np.asarray(
+            [rng.integers(3, 200, 40, dtype=np.int32), rng.integers(3, 200, 17, dtype=np.int32)], dtype=object
+        ),
+        "loss_mask": np.asarray([np.ones(40, np.uint8), np.ones(17, np.uint8)], dtype=object),
+    }
     gpu, cpu = Featurizer(tiny_section("cuda"), dtype="bf16"), Featurizer(tiny_section("cpu"), dtype="bf16")
     assert gpu.target.device.type == "cuda"
     # forward -> [(final (T, D), layers (T, k, D) or None)]
@@ -54,15 +58,19 @@ def _step_batch(target, device):
     ids = torch.randint(3, 128, (2, 24))
     with torch.no_grad():
         features = target.backbone(input_ids=ids).last_hidden_state  # (B, T, D) on the CPU
-    return shift_batch(features.to(device), ids.to(device), torch.ones_like(ids, device=device),
-                       torch.ones_like(ids, device=device))
+    return shift_batch(
+        features.to(device), ids.to(device), torch.ones_like(ids, device=device), torch.ones_like(ids, device=device)
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_train_step_on_cuda(stage):
     target = make_target("llama")
     batch_cpu = _step_batch(target, "cpu")
-    method, plan = TrainConfig(noise_scale=0.0, warmup_steps=0), StagePlan.for_stage(stage, "griffin", steps=20, lr=3e-3)
+    method, plan = (
+        TrainConfig(noise_scale=0.0, warmup_steps=0),
+        StagePlan.for_stage(stage, "griffin", steps=20, lr=3e-3),
+    )
     results = {}
     for device in ("cpu", "cuda"):
         torch.manual_seed(1)
@@ -104,8 +112,16 @@ def test_bf16_sampling_decode_on_cuda():
     draft = GriffinDraft.for_target(target).to(CUDA).cast_parameters(torch.bfloat16)
     ids = torch.randint(3, 128, (1, 10)).to(CUDA)
     generator = torch.Generator(device=CUDA).manual_seed(0)
-    out = speculative_generate(target, draft, ids, TreeConfig(total_tokens=16, depth=4, top_k=4),
-                               SamplingConfig(temperature=1.0), 32, generator, stop_token_ids=[])
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        TreeConfig(total_tokens=16, depth=4, top_k=4),
+        SamplingConfig(temperature=1.0),
+        32,
+        generator,
+        stop_token_ids=[],
+    )
     assert len(out.tokens) == 32 and all(0 <= t < target.vocab_size for t in out.tokens)
     assert out.stats.rounds >= 1
 
@@ -121,8 +137,9 @@ def test_bf16_decode_on_cuda_skips_cudnn_attention():
     ids = torch.randint(3, 128, (1, 10)).to(CUDA)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         vanilla_generate(target, ids, SamplingConfig(), 8, stop_token_ids=[])
-        speculative_generate(target, draft, ids, TreeConfig(total_tokens=12, depth=3, top_k=4), SamplingConfig(), 8,
-                             stop_token_ids=[])
+        speculative_generate(
+            target, draft, ids, TreeConfig(total_tokens=12, depth=3, top_k=4), SamplingConfig(), 8, stop_token_ids=[]
+        )
     names = {event.key for event in prof.key_averages()}
     assert not [name for name in names if "cudnn_attention" in name]
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the decode

@@ -30,17 +30,61 @@ RAY_IMAGE = re.compile(r"^rayproject/ray:(?P<version>\d+\.\d+\.\d+)-py311(?P<gpu
 # spec fields of the ray.io/v1 CRDs (KubeRay API reference): a misspelt key is silently dropped by
 # the API server, so it has to be caught here
 CRD_SPEC_FIELDS = {
-    "RayCluster": {"suspend", "managedBy", "autoscalerOptions", "headServiceAnnotations", "enableInTreeAutoscaling",
-                   "gcsFaultToleranceOptions", "headGroupSpec", "rayVersion", "workerGroupSpecs", "authOptions",
-                   "upgradeStrategy"},
-    "RayJob": {"activeDeadlineSeconds", "backoffLimit", "rayClusterSpec", "submitterPodTemplate", "metadata",
-               "clusterSelector", "submitterConfig", "managedBy", "deletionStrategy", "entrypoint", "runtimeEnvYAML",
-               "jobId", "submissionMode", "entrypointResources", "entrypointNumCpus", "entrypointNumGpus",
-               "ttlSecondsAfterFinished", "shutdownAfterJobFinishes", "suspend"},
-    "RayService": {"serveService", "upgradeStrategy", "serveConfigV2", "rayClusterConfig", "excludeHeadPodFromServeSvc"},
+    "RayCluster": {
+        "suspend",
+        "managedBy",
+        "autoscalerOptions",
+        "headServiceAnnotations",
+        "enableInTreeAutoscaling",
+        "gcsFaultToleranceOptions",
+        "headGroupSpec",
+        "rayVersion",
+        "workerGroupSpecs",
+        "authOptions",
+        "upgradeStrategy",
+    },
+    "RayJob": {
+        "activeDeadlineSeconds",
+        "backoffLimit",
+        "rayClusterSpec",
+        "submitterPodTemplate",
+        "metadata",
+        "clusterSelector",
+        "submitterConfig",
+        "managedBy",
+        "deletionStrategy",
+        "entrypoint",
+        "runtimeEnvYAML",
+        "jobId",
+        "submissionMode",
+        "entrypointResources",
+        "entrypointNumCpus",
+        "entrypointNumGpus",
+        "ttlSecondsAfterFinished",
+        "shutdownAfterJobFinishes",
+        "suspend",
+    },
+    "RayService": {
+        "serveService",
+        "upgradeStrategy",
+        "serveConfigV2",
+        "rayClusterConfig",
+        "excludeHeadPodFromServeSvc",
+    },
 }
-WORKER_GROUP_FIELDS = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template",
-                       "scaleStrategy", "suspend", "idleTimeoutSeconds", "numOfHosts", "headService"}
+WORKER_GROUP_FIELDS = {
+    "groupName",
+    "replicas",
+    "minReplicas",
+    "maxReplicas",
+    "rayStartParams",
+    "template",
+    "scaleStrategy",
+    "suspend",
+    "idleTimeoutSeconds",
+    "numOfHosts",
+    "headService",
+}
 SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|ACCESS_KEY|CREDENTIAL", re.I)
 
 
@@ -115,8 +159,12 @@ def _constraints() -> dict[str, str]:
 # ---- every file -------------------------------------------------------------------------------
 def test_infra_has_every_piece():
     names = {str(p.relative_to(INFRA)) for p in _infra_files()}
-    expected = {"kuberay/raycluster.yaml", "kuberay/rayservice.yaml", "cluster-launcher/aws.yaml",
-                *(f"kuberay/rayjob-{stage}.yaml" for stage in STAGES)}
+    expected = {
+        "kuberay/raycluster.yaml",
+        "kuberay/rayservice.yaml",
+        "cluster-launcher/aws.yaml",
+        *(f"kuberay/rayjob-{stage}.yaml" for stage in STAGES),
+    }
     assert expected <= names, f"missing: {sorted(expected - names)}"
     assert any(n.startswith("mlflow/") for n in names)
     assert (INFRA / "README.md").is_file()
@@ -159,8 +207,11 @@ def _check_ray_cluster(name: str, cluster: dict, manifests) -> dict:
     assert not RAY_IMAGE.match(head_container["image"])["gpu"], f"{name}: the head should be a CPU image"
     assert "nvidia.com/gpu" not in head_container["resources"].get("limits", {})
     assert head.get("serviceType", "ClusterIP") == "ClusterIP", f"{name}: the head service must stay in the cluster"
-    gpu_groups = [g for g in cluster["workerGroupSpecs"]
-                  if int(_containers(g["template"])[0]["resources"]["limits"].get("nvidia.com/gpu", 0)) > 0]
+    gpu_groups = [
+        g
+        for g in cluster["workerGroupSpecs"]
+        if int(_containers(g["template"])[0]["resources"]["limits"].get("nvidia.com/gpu", 0)) > 0
+    ]
     assert gpu_groups, f"{name}: no worker group requests nvidia.com/gpu"
     for group in cluster["workerGroupSpecs"]:
         assert set(group) <= WORKER_GROUP_FIELDS, f"{name}: unknown group fields {set(group) - WORKER_GROUP_FIELDS}"
@@ -168,7 +219,9 @@ def _check_ray_cluster(name: str, cluster: dict, manifests) -> dict:
     for group in gpu_groups:
         container = _containers(group["template"])[0]
         assert RAY_IMAGE.match(container["image"])["gpu"], f"{name}: GPU workers need the -gpu image"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
+        assert (
+            container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
+        )
     claims = {pvc["metadata"]["name"] for pvc in _kind(manifests, "PersistentVolumeClaim")}
     for pod in _pod_specs({"spec": cluster}):
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
@@ -188,8 +241,10 @@ def test_raycluster_cpu_head_and_gpu_workers_fit_the_config(manifests, cfg):
     assert spec["enableInTreeAutoscaling"] is True and gpu_group["minReplicas"] == 0  # GPUs scale to zero
     assert spec["headGroupSpec"]["rayStartParams"].get("num-cpus") == "0"
     per_pod = int(_containers(gpu_group["template"])[0]["resources"]["limits"]["nvidia.com/gpu"])
-    gpus_needed = max(cfg.features.num_actors * cfg.features.gpus_per_actor,
-                      cfg.train.num_workers if cfg.train.use_gpu else 0) + 1  # + the driver's GPU
+    gpus_needed = (
+        max(cfg.features.num_actors * cfg.features.gpus_per_actor, cfg.train.num_workers if cfg.train.use_gpu else 0)
+        + 1
+    )  # + the driver's GPU
     assert gpu_group["maxReplicas"] * per_pod >= gpus_needed, "the GPU group can't hold the actors + the driver"
     cpus = float(_containers(gpu_group["template"])[0]["resources"]["limits"]["cpu"])
     assert cfg.train.cpus_per_worker < cpus and cfg.features.cpus_per_actor < cpus  # room for Ray Data tasks
@@ -255,8 +310,13 @@ def test_runtime_envs_pin_what_the_config_and_constraints_pin(docs, cfg):
 
 def test_gpu_config_puts_every_path_on_the_shared_volume(cfg):
     shared = "/mnt/griffin/"
-    paths = [cfg.output_dir, cfg.store_path, cfg.data.source, *cfg.eval.datasets,
-             *cfg.cluster.runtime_env["env_vars"].values()]
+    paths = [
+        cfg.output_dir,
+        cfg.store_path,
+        cfg.data.source,
+        *cfg.eval.datasets,
+        *cfg.cluster.runtime_env["env_vars"].values(),
+    ]
     local = [p for p in paths if p.startswith("/") and not p.startswith(shared)]
     assert not local and cfg.output_dir.startswith(shared) and cfg.store_path.startswith(shared), local
     assert cfg.target.device == "cuda" and cfg.train.use_gpu and cfg.features.gpus_per_actor >= 1
@@ -293,7 +353,9 @@ def test_launcher_yaml_matches_rays_schema(docs):
     import jsonschema
 
     (launcher,) = docs["cluster-launcher/aws.yaml"]
-    schema = json.loads((Path(importlib.import_module("ray.autoscaler").__file__).parent / "ray-schema.json").read_text())
+    schema = json.loads(
+        (Path(importlib.import_module("ray.autoscaler").__file__).parent / "ray-schema.json").read_text()
+    )
     jsonschema.validate(launcher, schema)
     types = launcher["available_node_types"]
     assert launcher["head_node_type"] in types
@@ -312,6 +374,7 @@ def test_launcher_yaml_matches_rays_schema(docs):
 # ---- MLflow -----------------------------------------------------------------------------------
 def _resolve(value: str, container: dict, manifests) -> str:
     """Expand Kubernetes $(VAR) references from literal and ConfigMap env; secrets stay references."""
+
     def sub(match):
         entry = _env(container)[match[1]]
         if "value" in entry:
@@ -326,8 +389,12 @@ def _resolve(value: str, container: dict, manifests) -> str:
 
 def test_mlflow_server_postgres_s3_cluster_internal(docs, manifests, cfg):
     mlflow_docs = [d for name, items in docs.items() if name.startswith("mlflow/") for d in items]
-    servers = [(d, c) for d in _kind(mlflow_docs, "Deployment") for c in _containers(d["spec"]["template"])
-               if " ".join(c.get("command", []) + c.get("args", [])).startswith("mlflow server")]
+    servers = [
+        (d, c)
+        for d in _kind(mlflow_docs, "Deployment")
+        for c in _containers(d["spec"]["template"])
+        if " ".join(c.get("command", []) + c.get("args", [])).startswith("mlflow server")
+    ]
     assert len(servers) == 1, "expected one Deployment running `mlflow server`"
     deployment, container = servers[0]
     argv = [_resolve(a, container, manifests) for a in container.get("command", []) + container["args"]]
@@ -349,24 +416,33 @@ def test_mlflow_server_postgres_s3_cluster_internal(docs, manifests, cfg):
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = [p for p in service["spec"]["ports"] if p["port"] == (tracking.port or 80)]
-    assert port["targetPort"] in {p.get("name") for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}
+    assert port["targetPort"] in {p.get("name") for p in container["ports"]} | {
+        p["containerPort"] for p in container["ports"]
+    }
     assert int(option["--port"]) in {p["containerPort"] for p in container["ports"]}
     for svc in _kind(mlflow_docs, "Service"):
         assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", f"{svc['metadata']['name']} leaves the cluster"
-    postgres = [c for d in _kind(mlflow_docs, "StatefulSet") for c in _containers(d["spec"]["template"])
-                if c["image"].startswith("postgres")]
+    postgres = [
+        c
+        for d in _kind(mlflow_docs, "StatefulSet")
+        for c in _containers(d["spec"]["template"])
+        if c["image"].startswith("postgres")
+    ]
     assert postgres and "secretKeyRef" in _env(postgres[0])["POSTGRES_PASSWORD"]["valueFrom"]
 
 
 def test_no_literal_secrets_anywhere(manifests):
-    assert not [m for m in _kind(manifests, "Secret") if m.get("data") or m.get("stringData")], \
+    assert not [m for m in _kind(manifests, "Secret") if m.get("data") or m.get("stringData")], (
         "Secrets are created by hand (infra/README.md), never committed"
+    )
     for m in manifests:
         for pod in _pod_specs(m):
             for c in pod.get("initContainers", []) + pod["containers"]:
                 for name, entry in _env(c).items():
                     if SECRET_NAME.search(name):
-                        assert "secretKeyRef" in entry.get("valueFrom", {}), f"{m['metadata']['name']}: {name} is literal"
+                        assert "secretKeyRef" in entry.get("valueFrom", {}), (
+                            f"{m['metadata']['name']}: {name} is literal"
+                        )
                 for arg in c.get("args", []) + c.get("command", []):
                     assert not re.search(r"://[^/\s$]+:[^@\s$]+@", arg), f"credentials in {arg!r}"
 

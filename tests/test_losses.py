@@ -33,14 +33,14 @@ def test_draft_window_supervises_the_first_draft_of_a_reply():
 def test_alignment_hits_hand_example():
     stub = SimpleNamespace(logits=lambda p: p, to_draft_ids=lambda x: x)
     # position t's top-2 over a 4-token vocabulary, and y = [_, 2, 3, 1]: targets y[t+1] = 2, 3, 1, -
-    logits = torch.tensor([[[9., 8, 0, 0], [0, 0, 9, 8], [0, 9, 0, 8], [9, 8, 7, 6]]])
+    logits = torch.tensor([[[9.0, 8, 0, 0], [0, 0, 9, 8], [0, 9, 0, 8], [9, 8, 7, 6]]])
     hits = alignment_hits(stub, logits, torch.tensor([[0, 2, 3, 1]]), k=2)
     assert hits.tolist() == [[0, 1, 1, 0]]  # 2 not in {0,1}; 3 in {2,3}; 1 in {1,3}; last forced 0
 
 
 def test_cumulative_masks_both_conventions():
     """Hand-computed: hits of pass 1 and 2 -> masks for passes 2 and 3 (docs/method.md §3.3)."""
-    hits1, hits2 = torch.tensor([[1., 0, 1, 1, 0]]), torch.tensor([[1., 1, 0, 1, 0]])
+    hits1, hits2 = torch.tensor([[1.0, 0, 1, 1, 0]]), torch.tensor([[1.0, 1, 0, 1, 0]])
     cum1 = next_alignment(hits1, None)
     cum2 = next_alignment(hits2, cum1)  # hits2 * shift_right(cum1) = [1,1,0,1,0] * [0,1,0,1,1]
     assert alignment_mask(cum1, "reference").tolist() == [[1, 0, 1, 1, 0]]
@@ -83,7 +83,11 @@ def test_per_pass_backward_sums_gradients():
     """The step's gradient == the sum of each pass's gradient taken on its own."""
     target = make_target("llama")
     draft = GriffinDraft.for_target(target)
-    batch, cfg, plan = tiny_batch(target, T=10), TrainConfig(noise_scale=0.0), StagePlan.for_stage(2, "griffin", steps=1)
+    batch, cfg, plan = (
+        tiny_batch(target, T=10),
+        TrainConfig(noise_scale=0.0),
+        StagePlan.for_stage(2, "griffin", steps=1),
+    )
     token_alignable_step(draft, batch, cfg, plan)
     total = draft.fusion.fc.weight.grad.clone()
     assert total.abs().sum() > 0
@@ -140,7 +144,7 @@ def dead_rows(draft: GriffinDraft) -> dict[str, list[int]]:
     dead = {}
     for name, param in draft.named_parameters():
         norms = param.grad.reshape(param.shape[0], -1).abs().sum(1) if param.grad is not None else torch.zeros(1)
-        if (rows := (norms == 0).nonzero().flatten().tolist()):
+        if rows := (norms == 0).nonzero().flatten().tolist():
             dead[name] = rows[:3] + (["..."] if len(rows) > 3 else [])
     return dead
 
@@ -167,7 +171,7 @@ def test_every_trainable_row_learns_in_a_three_pass_step(variant):
 
 
 def test_full_backprop_is_one_backward_over_the_weighted_pass_losses():
-    """"full" == autograd of sum_j decay^(j-1) * loss_j through the passes' shared graph; with one pass
+    """ "full" == autograd of sum_j decay^(j-1) * loss_j through the passes' shared graph; with one pass
     both rules agree."""
     torch.manual_seed(0)
     target = make_target("llama")
@@ -180,7 +184,10 @@ def test_full_backprop_is_one_backward_over_the_weighted_pass_losses():
         token_alignable_step(draft, batch, TrainConfig(noise_scale=0.0, ttt_backprop=rule), one)
         grads.append(draft.fusion.fc.weight.grad.clone())
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
-    cfg, plan = TrainConfig(noise_scale=0.0, ttt_backprop="full", pass_weight_decay=0.8), StagePlan.for_stage(2, "griffin", steps=1)
+    cfg, plan = (
+        TrainConfig(noise_scale=0.0, ttt_backprop="full", pass_weight_decay=0.8),
+        StagePlan.for_stage(2, "griffin", steps=1),
+    )
     draft.zero_grad()
     m = token_alignable_step(draft, batch, cfg, plan)
     full = draft.fusion.fc.weight.grad.clone()
@@ -193,8 +200,9 @@ def test_full_backprop_is_one_backward_over_the_weighted_pass_losses():
     l1 = pass_loss(pass_losses(draft, P1, R1, batch, teacher, batch.loss_mask, cfg.topk_loss_k), cfg, plan)
     from griffin.losses import alignment_hits, next_alignment
 
-    mask2 = batch.loss_mask * alignment_mask(next_alignment(alignment_hits(draft, P1.detach(), batch.tokens, 3), None),
-                                             "reference")
+    mask2 = batch.loss_mask * alignment_mask(
+        next_alignment(alignment_hits(draft, P1.detach(), batch.tokens, 3), None), "reference"
+    )
     P2, R2 = draft([batch.features, draft.next_stream(batch.features, R1)], batch.tokens, batch.attention_mask)
     l2 = pass_loss(pass_losses(draft, P2, R2, batch, teacher, mask2, cfg.topk_loss_k), cfg, plan)
     (l1 + 0.8 * l2).backward()
@@ -267,7 +275,9 @@ def _ddp_full_backprop(rank: int, port: int, out: str) -> None:
     draft = GriffinDraft.for_target(target, variant="griffin3")
     batch = variant_batch(target, draft, seed=rank)  # each rank its own rows
     model = DistributedDataParallel(draft, broadcast_buffers=False)
-    token_alignable_step(model, batch, TrainConfig(noise_scale=0.0), StagePlan.for_stage(3, "griffin3", steps=1), draft=draft)
+    token_alignable_step(
+        model, batch, TrainConfig(noise_scale=0.0), StagePlan.for_stage(3, "griffin3", steps=1), draft=draft
+    )
     if rank == 0:
         torch.save({n: p.grad for n, p in draft.named_parameters()}, out)
     dist.destroy_process_group()
@@ -289,7 +299,11 @@ def test_full_backprop_under_ddp_matches_one_process(tmp_path):
     target = make_target("llama", num_hidden_layers=5)
     draft = GriffinDraft.for_target(target, variant="griffin3")
     for rank in (0, 1):  # gradients accumulate over the two ranks' batches
-        token_alignable_step(draft, variant_batch(target, draft, seed=rank), TrainConfig(noise_scale=0.0),
-                             StagePlan.for_stage(3, "griffin3", steps=1))
+        token_alignable_step(
+            draft,
+            variant_batch(target, draft, seed=rank),
+            TrainConfig(noise_scale=0.0),
+            StagePlan.for_stage(3, "griffin3", steps=1),
+        )
     for name, param in draft.named_parameters():
         torch.testing.assert_close(ddp[name], param.grad / 2, rtol=1e-4, atol=1e-7, msg=name)

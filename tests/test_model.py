@@ -33,13 +33,15 @@ def test_cached_step_equals_uncached_forward(target, variant):
 def test_harmonized_mask_hand_built():
     """T=4, pass 3: row r sees stream0 cols <= r-2, stream1 col r-1, stream2 col r (docs/method.md §3.2)."""
     m = harmonized_mask(4, 3).int()
-    expected = torch.tensor([
-        # stream 0     stream 1      stream 2
-        [0, 0, 0, 0,  0, 0, 0, 0,  1, 0, 0, 0],
-        [0, 0, 0, 0,  1, 0, 0, 0,  0, 1, 0, 0],
-        [1, 0, 0, 0,  0, 1, 0, 0,  0, 0, 1, 0],
-        [1, 1, 0, 0,  0, 0, 1, 0,  0, 0, 0, 1],
-    ])
+    expected = torch.tensor(
+        [
+            # stream 0     stream 1      stream 2
+            [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+            [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+            [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+            [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+        ]
+    )
     assert torch.equal(m, expected)
     assert torch.equal(harmonized_mask(3, 1), causal(0, 3))
 
@@ -58,8 +60,13 @@ def test_harmonized_pass_equals_decode_time_draft_kv(target, passes):
         draft.step(streams[0][:, :n_true], tokens[:, :n_true], torch.arange(n_true), cache, causal(0, n_true))
         for k in range(1, passes):
             col = r - passes + 1 + k
-            p, rr = draft.step(streams[k][:, col:col + 1], tokens[:, col:col + 1], torch.tensor([col]), cache,
-                               torch.ones(1, cache.length + 1, dtype=torch.bool))
+            p, rr = draft.step(
+                streams[k][:, col : col + 1],
+                tokens[:, col : col + 1],
+                torch.tensor([col]),
+                cache,
+                torch.ones(1, cache.length + 1, dtype=torch.bool),
+            )
         assert torch.allclose(p[0, 0], P[0, r], atol=1e-5) and torch.allclose(rr[0, 0], R[0, r], atol=1e-5)
 
 
@@ -120,8 +127,11 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(arch):
     rope = draft.rope(positions, torch.float32)
     with torch.no_grad():
         ours = draft.layer.self_attn(x, x, rope, rope, causal(0, 7))
-        theirs = layer.self_attn(hidden_states=layer.input_layernorm(x), position_embeddings=target.backbone.rotary_emb(x, positions[None]),
-                                 attention_mask=None)[0]  # no mask: HF's SDPA path is causal
+        theirs = layer.self_attn(
+            hidden_states=layer.input_layernorm(x),
+            position_embeddings=target.backbone.rotary_emb(x, positions[None]),
+            attention_mask=None,
+        )[0]  # no mask: HF's SDPA path is causal
         normed = draft.layer.post_attention_layernorm(x)
         prediction, regression = draft.layer.mlp(normed).split(64, dim=-1)
         expected = layer.mlp(layer.post_attention_layernorm(x))
@@ -139,8 +149,10 @@ def test_draft_init_layer_is_checked_before_training_starts(tiny_llama):
     assert _checked_init(cfg, tiny_llama) is None
     draft = _init_draft(cfg, tiny_llama, None, None)  # what each training worker builds
     assert torch.equal(draft.layer.mlp.up_proj.weight, tiny_llama.backbone.layers[0].mlp.up_proj.weight.float())
-    for overrides, message in [(["draft.init_layer=2"], "the target has 2 decoder layers"),
-                               (["draft.init_layer=0", "draft.variant=eagle3"], "EAGLE-3's attention reads"),
-                               (["draft.init_layer=0", "train.init_from=x"], "keep one")]:
+    for overrides, message in [
+        (["draft.init_layer=2"], "the target has 2 decoder layers"),
+        (["draft.init_layer=0", "draft.variant=eagle3"], "EAGLE-3's attention reads"),
+        (["draft.init_layer=0", "train.init_from=x"], "keep one"),
+    ]:
         with pytest.raises(ValueError, match=message):
             _checked_init(load_config(tiny, overrides), tiny_llama)

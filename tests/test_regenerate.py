@@ -35,10 +35,21 @@ def data(tmp_path_factory):
 
 
 def config(root, data, *overrides):
-    return load_config("jobs/configs/tiny.yaml", [
-        f"output_dir={root}", f"regenerate.source={data}", "data.limit=null", "data.shuffle_seed=null",
-        "data.max_len=256", "regenerate.max_new_tokens=12", "regenerate.batch_size=4",
-        "regenerate.conversations_per_part=3", "data.source=regenerated", *overrides])
+    return load_config(
+        "jobs/configs/tiny.yaml",
+        [
+            f"output_dir={root}",
+            f"regenerate.source={data}",
+            "data.limit=null",
+            "data.shuffle_seed=null",
+            "data.max_len=256",
+            "regenerate.max_new_tokens=12",
+            "regenerate.batch_size=4",
+            "regenerate.conversations_per_part=3",
+            "data.source=regenerated",
+            *overrides,
+        ],
+    )
 
 
 def read_set(path):
@@ -80,8 +91,10 @@ def test_answers_are_the_targets_own_greedy_replies_to_its_own_history(regenerat
     cfg, _, _ = regenerated
     _, rows = read_set(Path(cfg.regenerated_path))
     originals = {c.sample_id: c.messages for c in load_conversations(cfg.prompt_data, Ledger())}
-    regenerator = Regenerator(cfg.target.model_dump(), {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12,
-                                                          "batch_size": 1, "max_len": 256})
+    regenerator = Regenerator(
+        cfg.target.model_dump(),
+        {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "batch_size": 1, "max_len": 256},
+    )
     tokenizer = regenerator.target.tokenizer
     multi_turn = 0
     for row in rows:
@@ -92,9 +105,13 @@ def test_answers_are_the_targets_own_greedy_replies_to_its_own_history(regenerat
         for turn in range(len(users)):  # each answer: unbatched greedy from the regenerated history
             history = messages[: 2 * turn + 1]
             ids = torch.tensor([render_chat(tokenizer, history)])
-            out = regenerator.target.model.generate(input_ids=ids, max_new_tokens=12, do_sample=False,
-                                                    eos_token_id=regenerator.stop_ids,
-                                                    pad_token_id=regenerator.pad_id)[0, ids.shape[1]:].tolist()
+            out = regenerator.target.model.generate(
+                input_ids=ids,
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=regenerator.stop_ids,
+                pad_token_id=regenerator.pad_id,
+            )[0, ids.shape[1] :].tolist()
             stops = [i for i, t in enumerate(out) if t in regenerator.stop_ids]
             expected = tokenizer.decode(out[: stops[0]] if stops else out, skip_special_tokens=True)
             assert messages[2 * turn + 1] == {"role": "assistant", "content": expected}
@@ -103,14 +120,24 @@ def test_answers_are_the_targets_own_greedy_replies_to_its_own_history(regenerat
 
 def test_featurize_reads_the_regenerated_set(regenerated, tmp_path):
     cfg, _, _ = regenerated
-    features = load_config("jobs/configs/tiny.yaml", [f"output_dir={cfg.output_dir}", "data.source=regenerated",
-                                                       "data.limit=null", "data.max_len=256",
-                                                       f"features.store={tmp_path / 'store'}"])
+    features = load_config(
+        "jobs/configs/tiny.yaml",
+        [
+            f"output_dir={cfg.output_dir}",
+            "data.source=regenerated",
+            "data.limit=null",
+            "data.max_len=256",
+            f"features.store={tmp_path / 'store'}",
+        ],
+    )
     result = run_featurize(features)
     assert result["complete"] and result["rows"] == len(read_set(Path(cfg.regenerated_path))[1])
     # the store keeps the original conversations' ids: its held-out split is the same conversations
-    stored = {sid for f in st.part_files(str(tmp_path / "store"))
-              for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()}
+    stored = {
+        sid
+        for f in st.part_files(str(tmp_path / "store"))
+        for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()
+    }
     assert stored == {row["sample_id"] for row in read_set(Path(cfg.regenerated_path))[1]}
 
 

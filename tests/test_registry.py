@@ -32,9 +32,15 @@ def make_draft(cfg, target, path, seed=0, train_run_id="not-in-this-store"):
     """A randomly initialised draft with the provenance training writes."""
     torch.manual_seed(seed)
     draft = GriffinDraft.for_target(target)
-    provenance = {"variant": "griffin", "stage": 2, "target": target_fingerprint(target),
-                  "feature_manifest_sha256": "f" * 64, "resolved_config": cfg.resolved(),
-                  "train_run_id": train_run_id, "metrics": {"eval/sim_accept_len": 1.75}}
+    provenance = {
+        "variant": "griffin",
+        "stage": 2,
+        "target": target_fingerprint(target),
+        "feature_manifest_sha256": "f" * 64,
+        "resolved_config": cfg.resolved(),
+        "train_run_id": train_run_id,
+        "metrics": {"eval/sim_accept_len": 1.75},
+    }
     save_draft(draft, path, provenance)
     return draft
 
@@ -178,8 +184,19 @@ def test_export_and_ui_commands(store, target, tmp_path, capsys):
     make_draft(cfg, target, tmp_path / "d")
     registry.register(cfg, tmp_path / "d")
     for layout in ("griffin-upstream", "hf"):
-        argv = ["export", "-c", "jobs/configs/tiny.yaml", f"output_dir={store}", "registry.model_name=export-test",
-                "--to", layout, "--source", "models:/export-test@candidate", "--out", str(tmp_path / layout)]
+        argv = [
+            "export",
+            "-c",
+            "jobs/configs/tiny.yaml",
+            f"output_dir={store}",
+            "registry.model_name=export-test",
+            "--to",
+            layout,
+            "--source",
+            "models:/export-test@candidate",
+            "--out",
+            str(tmp_path / layout),
+        ]
         assert main(argv) == 0
     assert (tmp_path / "griffin-upstream" / "pytorch_model.bin").is_file()
     assert (tmp_path / "hf" / "model.safetensors").is_file()
@@ -191,9 +208,23 @@ def test_export_and_ui_commands(store, target, tmp_path, capsys):
 def mlflow_server(tmp_path):
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-               "--serve-artifacts", "--artifacts-destination", str(tmp_path / "artifacts")]
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'server.db'}",
+        "--serve-artifacts",
+        "--artifacts-destination",
+        str(tmp_path / "artifacts"),
+    ]
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -207,7 +238,9 @@ def mlflow_server(tmp_path):
             except OSError:
                 assert server.poll() is None, (tmp_path / "server.log").read_text()
                 if time.monotonic() > deadline:
-                    pytest.fail(f"mlflow server did not start in {STARTUP_S} s:\n" + (tmp_path / "server.log").read_text())
+                    pytest.fail(
+                        f"mlflow server did not start in {STARTUP_S} s:\n" + (tmp_path / "server.log").read_text()
+                    )
                 time.sleep(0.25)
         yield url
     finally:

@@ -9,8 +9,11 @@ from griffin.model import GriffinDraft
 from griffin.replay import greedy_reference, replay_greedy
 from tests.conftest import OracleDraft, make_target
 
-TREES = [TreeConfig(total_tokens=6, depth=5, top_k=1), TreeConfig(total_tokens=12, depth=3, top_k=4),
-         TreeConfig(total_tokens=60, depth=6, top_k=10)]
+TREES = [
+    TreeConfig(total_tokens=6, depth=5, top_k=1),
+    TreeConfig(total_tokens=12, depth=3, top_k=4),
+    TreeConfig(total_tokens=60, depth=6, top_k=10),
+]
 
 
 def _recording(monkeypatch, module, trees: list):
@@ -37,7 +40,11 @@ def test_replay_drafts_the_same_trees_and_accepts_the_same_tokens(kind, tree, mo
         ids = torch.randint(3, 128, (1, 4 + 5 * case), generator=gen)
         full = decode.vanilla_generate(target, ids, replay.GREEDY, 20, stop_token_ids=[]).tokens
         stop = [] if case < 2 else [full[9]]  # case 2 ends at a stop token
-        draft = GriffinDraft.for_target(target, variant="griffin") if kind == "griffin" else OracleDraft(target, int(ids[0, 0]))
+        draft = (
+            GriffinDraft.for_target(target, variant="griffin")
+            if kind == "griffin"
+            else OracleDraft(target, int(ids[0, 0]))
+        )
         real_trees, replayed_trees = [], []
         _recording(monkeypatch, decode, real_trees)
         spec = decode.speculative_generate(target, draft, ids, tree, replay.GREEDY, 20, stop_token_ids=stop)
@@ -46,7 +53,7 @@ def test_replay_drafts_the_same_trees_and_accepts_the_same_tokens(kind, tree, mo
         _recording(monkeypatch, replay, replayed_trees)
         reference = greedy_reference(target, ids, 20, lookahead=tree.depth, stop_token_ids=stop)
         replayed = replay_greedy(draft, reference, tree)
-        assert reference.continuation[:reference.length] == spec.tokens
+        assert reference.continuation[: reference.length] == spec.tokens
         assert replayed_trees == real_trees
         assert replayed.accepted_per_round == spec.stats.accepted_per_round
         assert replayed.tau == pytest.approx(spec.stats.acceptance_length)

@@ -53,7 +53,7 @@ def push_all(text_stream, tokens, per_round=1):
     """The deltas of pushing ``tokens`` in rounds, and the round after which ``stopped`` turned True."""
     deltas, stopped_at = [], None
     for i in range(0, len(tokens), per_round):
-        deltas.append(text_stream.push(tokens[i:i + per_round]))
+        deltas.append(text_stream.push(tokens[i : i + per_round]))
         if text_stream.stopped and stopped_at is None:
             stopped_at = i + per_round
     return deltas, stopped_at
@@ -111,12 +111,15 @@ def fake_decode(rounds, gate=None, calls=None):
                 raise
         stats = GenerationStats(rounds=len(rounds) - 1, accepted_per_round=[len(r) - 1 for r in rounds[1:]])
         return GenerationResult([t for r in rounds for t in r], stats, "length")
+
     return run
 
 
 def tail(result, n_tokens, hit):
-    return ("stop" if hit else result.finish_reason), {"usage": {"completion_tokens": n_tokens},
-                                                       "rounds": result.stats.rounds}
+    return ("stop" if hit else result.finish_reason), {
+        "usage": {"completion_tokens": n_tokens},
+        "rounds": result.stats.rounds,
+    }
 
 
 def sse_of(run, stops=(), max_new=1000):
@@ -133,7 +136,7 @@ def parse(event):
 def test_sse_stream_sends_each_round_while_decoding():
     """The first content chunk arrives while the decode is still blocked before its second round."""
     tokens = tiny_tokenizer()("Hello there, streaming world")["input_ids"]
-    rounds, gate = [tokens[i:i + 4] for i in range(0, len(tokens), 4)], threading.Event()
+    rounds, gate = [tokens[i : i + 4] for i in range(0, len(tokens), 4)], threading.Event()
 
     async def consume():
         events = sse_of(fake_decode(rounds, gate))
@@ -157,7 +160,7 @@ def test_sse_stream_sends_each_round_while_decoding():
 def test_sse_stream_stops_the_decode_at_a_stop_sequence():
     """The round that completes a stop sequence is the decode's last; usage counts up to that token."""
     tokens = tiny_tokenizer()("one two three four five six")["input_ids"]
-    rounds, calls = [tokens[i:i + 2] for i in range(0, len(tokens), 2)], []
+    rounds, calls = [tokens[i : i + 2] for i in range(0, len(tokens), 2)], []
     events = asyncio.run(collect(sse_of(fake_decode(rounds, calls=calls), stops=["thr"])))
     final = parse(events[-2])
     content = "".join(parse(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
@@ -215,8 +218,9 @@ def test_models_and_health(server):
 def test_chat_greedy_equals_vanilla(server):
     """T=0 through the endpoint is the target's own greedy output; usage and the speculative block add up."""
     data = chat(server, "Tell me a story.")
-    text, n_tokens = greedy_text(server.target, render_chat(server.target.tokenizer,
-                                                            [{"role": "user", "content": "Tell me a story."}]), 12)
+    text, n_tokens = greedy_text(
+        server.target, render_chat(server.target.tokenizer, [{"role": "user", "content": "Tell me a story."}]), 12
+    )
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["content"] == text
     usage, spec = data["usage"], data["speculative"]
     assert usage["completion_tokens"] == n_tokens and usage["total_tokens"] == usage["prompt_tokens"] + n_tokens
@@ -226,8 +230,9 @@ def test_chat_greedy_equals_vanilla(server):
 
 
 def test_completion_greedy_equals_vanilla(server):
-    response = server.client.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 10,
-                                                           "temperature": 0})
+    response = server.client.post(
+        "/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0}
+    )
     data = response.json()
     ids = server.target.tokenizer("def add(a, b):")["input_ids"]
     assert data["object"] == "text_completion" and data["choices"][0]["text"] == greedy_text(server.target, ids, 10)[0]
@@ -276,8 +281,13 @@ def test_streaming_with_stop_matches_non_streaming(server):
 
 
 def test_client_leaving_mid_stream_leaves_the_server_serving(server):
-    body = {"messages": [{"role": "user", "content": "A long one."}], "max_tokens": 400, "temperature": 0,
-            "speculative": False, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "A long one."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "speculative": False,
+        "stream": True,
+    }
     with server.client.stream("POST", CHAT, json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk; then hang up mid-generation
@@ -303,20 +313,29 @@ def test_stop_sequence_is_trimmed(server):
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 BAD = [  # (path, body, status, param named in the error)
-    (CHAT, b"{not json", 400, None), (CHAT, b"[1, 2]", 400, None), (CHAT, {}, 400, "messages"),
-    (CHAT, {"messages": []}, 400, "messages"), (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, b"{not json", 400, None),
+    (CHAT, b"[1, 2]", 400, None),
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     (CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
-    (CHAT, {**GOOD, "max_tokens": 0}, 400, "max_tokens"), (CHAT, {**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
+    (CHAT, {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
     (CHAT, {**GOOD, "max_tokens": 100000}, 400, "max_tokens"),
     (CHAT, {**GOOD, "temperature": -0.5}, 400, "temperature"),
-    (CHAT, {**GOOD, "top_p": 0}, 400, "top_p"), (CHAT, {**GOOD, "top_p": 1.5}, 400, "top_p"),
-    (CHAT, {**GOOD, "seed": "abc"}, 400, "seed"), (CHAT, {**GOOD, "stop": 5}, 400, "stop"),
-    (CHAT, {**GOOD, "stop": [""]}, 400, "stop"), (CHAT, {**GOOD, "stream": "yes"}, 400, "stream"),
+    (CHAT, {**GOOD, "top_p": 0}, 400, "top_p"),
+    (CHAT, {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {**GOOD, "seed": "abc"}, 400, "seed"),
+    (CHAT, {**GOOD, "stop": 5}, 400, "stop"),
+    (CHAT, {**GOOD, "stop": [""]}, 400, "stop"),
+    (CHAT, {**GOOD, "stream": "yes"}, 400, "stream"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
-    (CHAT, {**GOOD, "model": "gpt-4"}, 404, "model"), ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt"), ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    (CHAT, {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
 ]
 
 
@@ -351,12 +370,26 @@ def test_bench_serve_and_eval_through_serve(server, tmp_path):
     load = run_bench_serve(server.cfg, levels=(1, 2), requests_per_level=2, max_tokens=4)
     assert load["errors"] == 0 and [level["requests"] for level in load["levels"]] == [2, 2, 2, 2]
     assert [(level["mode"], level["concurrency"]) for level in load["levels"]] == [
-        ("speculative", 1), ("speculative", 2), ("vanilla", 1), ("vanilla", 2)]
+        ("speculative", 1),
+        ("speculative", 2),
+        ("vanilla", 1),
+        ("vanilla", 2),
+    ]
     assert all(level["ttft_p50_s"] <= level["latency_p50_s"] and level["shed_rate"] == 0 for level in load["levels"])
     assert (server.cfg.run_dir / "eval" / "serve_load.md").is_file()
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["Hi.", "More."]}) + "\n")
-    cfg = server.cfg.model_copy(update={"eval": server.cfg.eval.model_copy(update={
-        "datasets": [str(questions)], "temperatures": [0.0], "baselines": ["vanilla"], "through_serve": True})})
+    cfg = server.cfg.model_copy(
+        update={
+            "eval": server.cfg.eval.model_copy(
+                update={
+                    "datasets": [str(questions)],
+                    "temperatures": [0.0],
+                    "baselines": ["vanilla"],
+                    "through_serve": True,
+                }
+            )
+        }
+    )
     summary = run_eval(cfg, draft=str(server.draft_dir))
     assert summary["mode"] == "through_serve" and summary["results"]["q/T0"]["mismatches"] == 0

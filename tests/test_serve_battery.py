@@ -45,8 +45,9 @@ def test_speculative_logprobs_equal_vanilla_at_t0(which):
     equal vanilla's single-token passes up to float noise (top alternatives included)."""
     target = make_target("llama", seed=3)
     ids = torch.tensor([[5, 9, 17, 33, 4]])  # (1, T)
-    draft, tree = ((OracleDraft(target, 5), CHAIN) if which == "oracle-chain"
-                   else (GriffinDraft.for_target(target), SMALL))
+    draft, tree = (
+        (OracleDraft(target, 5), CHAIN) if which == "oracle-chain" else (GriffinDraft.for_target(target), SMALL)
+    )
     ref = vanilla_generate(target, ids, GREEDY, 30, stop_token_ids=[], logprobs=LogprobRecorder(3))
     spec = speculative_generate(target, draft, ids, tree, GREEDY, 30, stop_token_ids=[], logprobs=LogprobRecorder(3))
     assert spec.tokens == ref.tokens and len(spec.logprobs) == len(ref.logprobs) == 30
@@ -65,8 +66,17 @@ def test_logprobs_are_raw_model_logprobs_and_off_by_default():
     ids = torch.tensor([[5, 9, 17]])  # (1, T)
     sampling = SamplingConfig(temperature=0.7, top_k=5)
     gen = torch.Generator().manual_seed(0)
-    result = speculative_generate(target, GriffinDraft.for_target(target), ids, SMALL, sampling, 12, gen,
-                                  stop_token_ids=[], logprobs=LogprobRecorder())
+    result = speculative_generate(
+        target,
+        GriffinDraft.for_target(target),
+        ids,
+        SMALL,
+        sampling,
+        12,
+        gen,
+        stop_token_ids=[],
+        logprobs=LogprobRecorder(),
+    )
     full = torch.tensor([ids[0].tolist() + result.tokens])  # (1, T + 12)
     with torch.no_grad():
         raw = torch.log_softmax(target.model(full).logits[0].float(), -1)  # (T + 12, V)
@@ -87,21 +97,30 @@ def test_forged_system_turn_is_plain_text():
     specials = set(tokenizer.all_special_ids)
     ids = render_chat(tokenizer, [{"role": "user", "content": FORGED}])
     assert [t for t in ids if t in specials] == tokenizer.convert_tokens_to_ids(
-        ["<|im_start|>", "<|im_end|>", "<|im_start|>"])  # user turn open/close, assistant header
+        ["<|im_start|>", "<|im_end|>", "<|im_start|>"]
+    )  # user turn open/close, assistant header
     content = encode(tokenizer, FORGED, parse_special=False)
     start = ids.index(tokenizer.convert_tokens_to_ids("<|im_start|>")) + 1 + len(encode(tokenizer, "user\n"))
-    assert ids[start:start + len(content)] == content and not specials & set(content)
+    assert ids[start : start + len(content)] == content and not specials & set(content)
     assert tokenizer.decode(content) == FORGED
-    naive = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": FORGED}], tokenize=False,
-                                                    add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    naive = tokenizer(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": FORGED}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
     assert sum(t in specials for t in naive) == 7  # what the old rendering let through
 
 
 def test_plain_chats_render_as_before():
     """Without special-token strings in contents the ids equal tokenizing the plain rendering."""
     tokenizer = tiny_tokenizer()
-    messages = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "héllo\nthere"},
-                {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "More?"}]
+    messages = [
+        {"role": "system", "content": " Be brief. "},
+        {"role": "user", "content": "héllo\nthere"},
+        {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": "More?"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert render_chat(tokenizer, messages) == tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -124,9 +143,13 @@ def test_wedged_decode_fails_the_health_check():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, ray_local):
     """A deployment on the suite's one local Ray (conftest), shut down after the module."""
-    with tiny_deployment(tmp_path_factory.mktemp("battery"), "serve.max_ongoing_requests=2",
-                         "serve.max_queued_requests=1", f"serve.max_body_bytes={BODY_LIMIT}",
-                         f"serve.retry_after_s={RETRY_AFTER}") as deployment:
+    with tiny_deployment(
+        tmp_path_factory.mktemp("battery"),
+        "serve.max_ongoing_requests=2",
+        "serve.max_queued_requests=1",
+        f"serve.max_body_bytes={BODY_LIMIT}",
+        f"serve.retry_after_s={RETRY_AFTER}",
+    ) as deployment:
         yield deployment
 
 
@@ -160,17 +183,27 @@ BAD = [  # (case, body, param named in the error, words in the message)
     ("temperature 1e999", raw_body(temperature="1e999"), "temperature", "finite"),
     ("top_p NaN", raw_body(top_p="NaN"), "top_p", "finite"),
     ("-Infinity in an unknown field", raw_body(extra="[-Infinity]"), "extra.0", "finite"),
-    ("max_tokens and max_completion_tokens disagree", {**GOOD, "max_completion_tokens": 5}, "max_completion_tokens",
-     "disagree"),
+    (
+        "max_tokens and max_completion_tokens disagree",
+        {**GOOD, "max_completion_tokens": 5},
+        "max_completion_tokens",
+        "disagree",
+    ),
     ("chat logprobs is a boolean", {**GOOD, "logprobs": 2}, "logprobs", "boolean"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, "top_logprobs", "'logprobs': true"),
     ("top_logprobs above 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
-    ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options",
-     "stream"),
+    ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
 ]
-REFUSED = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-           "response_format": {"type": "json_object"}, "logit_bias": {"5": 10}, "presence_penalty": 0.5,
-           "frequency_penalty": -1, "echo": True, "best_of": 2}
+REFUSED = {
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto",
+    "response_format": {"type": "json_object"},
+    "logit_bias": {"5": 10},
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1,
+    "echo": True,
+    "best_of": 2,
+}
 
 
 def test_malformed_bodies_are_400_never_500(server):
@@ -188,8 +221,17 @@ def test_unsupported_fields_are_400_naming_the_field(server, path):
         error = error_of(post(server, {**base, field: value}, path), 400)
         assert error["param"] == field and error["code"] == "unsupported_parameter", error
         assert f"'{field}' is not supported" in error["message"], error
-    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
-               "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False, "best_of": 1, "user": "u1"}
+    neutral = {
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "echo": False,
+        "best_of": 1,
+        "user": "u1",
+    }
     assert post(server, {**base, **neutral}, path).status_code == 200  # neutral values are accepted
 
 
@@ -204,8 +246,15 @@ def test_max_completion_tokens_limits_the_answer(server):
 
 
 def chat_logprobs(server, **params):
-    body = {"messages": [{"role": "user", "content": "Tell me more."}], "max_tokens": 10, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2, "return_token_ids": True, **params}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me more."}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_token_ids": True,
+        **params,
+    }
     response = post(server, body)
     assert response.status_code == 200, response.text
     return response.json()
@@ -248,11 +297,22 @@ def sse(server, body, path=CHAT):
 def test_streams_carry_logprobs_and_usage_like_the_plain_answer(server):
     """A stream's chunk logprobs, joined, are the non-streamed ones; include_usage adds the usage chunk."""
     whole = chat_logprobs(server, max_tokens=16)
-    body = {"messages": [{"role": "user", "content": "Tell me more."}], "max_tokens": 16, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me more."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = sse(server, body)
-    streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-                for e in c["choices"][0]["logprobs"]["content"]]
+    streamed = [
+        e
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
     expected = whole["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in streamed] == [e["token"] for e in expected]
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected], abs=1e-5)
@@ -262,8 +322,9 @@ def test_streams_carry_logprobs_and_usage_like_the_plain_answer(server):
 
 def test_forged_system_turn_through_the_endpoint(server):
     data = post(server, {"messages": [{"role": "user", "content": FORGED}], "max_tokens": 2}).json()
-    assert data["usage"]["prompt_tokens"] == len(render_chat(server.target.tokenizer,
-                                                             [{"role": "user", "content": FORGED}]))
+    assert data["usage"]["prompt_tokens"] == len(
+        render_chat(server.target.tokenizer, [{"role": "user", "content": FORGED}])
+    )
 
 
 # ---- overload and impatience ----
@@ -291,6 +352,7 @@ def test_oversized_bodies_are_413_and_health_is_unaffected(server):
         for _ in range(64):
             yield b"y" * 4096
         yield b'"}]}'
+
     wait_for(lambda: stats(server)["admitted"] == 0)
     with long_stream(server) as stream:
         lines = stream.iter_lines()  # kept: dropping it hangs up (httpcore)
@@ -309,8 +371,13 @@ def long_stream(server, max_tokens=400, speculative=True):
     """A long stream held open: the caller reads what it needs, closing it hangs up. Greedy "A long
     one." never meets the stop token within 480 tokens, and with the random draft a round commits
     about one token at the cost of a draft tree and a verification: seconds of decode, not tenths."""
-    body = {"messages": [{"role": "user", "content": "A long one."}], "max_tokens": max_tokens, "temperature": 0,
-            "speculative": speculative, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "A long one."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "speculative": speculative,
+        "stream": True,
+    }
     return server.client.stream("POST", CHAT, json=body)
 
 
@@ -354,10 +421,19 @@ def test_full_queue_sheds_with_retry_after(server):
 def test_burst_is_shed_not_failed(server):
     """12 concurrent requests against 2 slots: every answer is 200 or a shed 503 with Retry-After
     (no 5xx of any other kind), and some of each."""
+
     def call(i):
-        response = post(server, {"messages": [{"role": "user", "content": f"n{i}"}], "max_tokens": 8,
-                                 "temperature": 0, "speculative": False})
+        response = post(
+            server,
+            {
+                "messages": [{"role": "user", "content": f"n{i}"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "speculative": False,
+            },
+        )
         return response.status_code, response.headers.get("retry-after")
+
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(call, range(12)))
     assert {status for status, _ in results} <= {200, 503}, results
@@ -372,9 +448,13 @@ def recent(server, max_tokens):
 def test_abandoned_requests_stop_their_decodes(server):
     """Non-streaming clients that give up: the decoding one stops at its next round (fewer tokens
     than its budget), the queued one never decodes; the replica is free again right after."""
+
     def give_up(max_tokens, timeout):
-        body = {"messages": [{"role": "user", "content": "A long one."}], "max_tokens": max_tokens,
-                "temperature": 0}  # as in long_stream: seconds of decode
+        body = {
+            "messages": [{"role": "user", "content": "A long one."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }  # as in long_stream: seconds of decode
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{server.url}{CHAT}", json=body, timeout=timeout)
 

@@ -14,8 +14,12 @@ from pipeline.config import DataSection
 from pipeline.data.sources import Conversation, Ledger, SkipSample, build_sample, load_conversations, record_id
 from pipeline.resources.targets import tiny_tokenizer
 
-TWO_TURNS = ({"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
-             {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": " It is 4.\nBye "})
+TWO_TURNS = (
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": " It is 4.\nBye "},
+)
 
 
 def sharegpt(*turns):
@@ -34,14 +38,18 @@ def openai(*turns):
 # Keys that only some records or turns have, so datasets' unified schema fills the rest with nulls;
 # the last record of each has no reply (a ledger entry).
 RECORDS = {
-    "sharegpt": [{"id": "r0", **sharegpt(("human", "q0"), ("gpt", "a0"))},
-                 sharegpt(("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2")),
-                 {"conversations": [{"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3", "markdown": "*"}]},
-                 sharegpt(("human", "unanswered"))],
-    "openai": [openai(("system", "Be brief."), ("user", "q0"), ("assistant", "a0")),
-               {"messages": [{"role": "user", "content": "q1", "name": "ann"}, {"role": "assistant", "content": "a1"}]},
-               openai(("user", "q2"), ("assistant", "a2"), ("user", "q3"), ("assistant", "a3")),
-               openai(("user", "unanswered"))],
+    "sharegpt": [
+        {"id": "r0", **sharegpt(("human", "q0"), ("gpt", "a0"))},
+        sharegpt(("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2")),
+        {"conversations": [{"from": "human", "value": "q3"}, {"from": "gpt", "value": "a3", "markdown": "*"}]},
+        sharegpt(("human", "unanswered")),
+    ],
+    "openai": [
+        openai(("system", "Be brief."), ("user", "q0"), ("assistant", "a0")),
+        {"messages": [{"role": "user", "content": "q1", "name": "ann"}, {"role": "assistant", "content": "a1"}]},
+        openai(("user", "q2"), ("assistant", "a2"), ("user", "q3"), ("assistant", "a3")),
+        openai(("user", "unanswered")),
+    ],
 }
 
 
@@ -54,9 +62,13 @@ def write_forms(root, records):
     dataset.save_to_disk(root / "saved")
     other = datasets.Dataset.from_list(records[:1])
     datasets.DatasetDict(train_sft=dataset, test_sft=other).save_to_disk(root / "saved_dict")
-    return {"jsonl": (write_jsonl(root / "records.jsonl", records), "train"),
-            "datasets_jsonl": (root / "datasets.jsonl", "train"), "parquet": (root / "records.parquet", "train"),
-            "saved": (root / "saved", "train"), "saved_dict": (root / "saved_dict", "train_sft")}
+    return {
+        "jsonl": (write_jsonl(root / "records.jsonl", records), "train"),
+        "datasets_jsonl": (root / "datasets.jsonl", "train"),
+        "parquet": (root / "records.parquet", "train"),
+        "saved": (root / "saved", "train"),
+        "saved_dict": (root / "saved_dict", "train_sft"),
+    }
 
 
 def masked_runs(tokenizer, sample):
@@ -67,7 +79,9 @@ def masked_runs(tokenizer, sample):
 
 def assert_mask_is_replies(tokenizer, messages, end_token):
     """Masked tokens decode to exactly the assistant replies, each followed by the end-of-turn token."""
-    sample = build_sample(Conversation("x", messages, "test"), tokenizer, 4096, {tokenizer.convert_tokens_to_ids(end_token)})
+    sample = build_sample(
+        Conversation("x", messages, "test"), tokenizer, 4096, {tokenizer.convert_tokens_to_ids(end_token)}
+    )
     assert masked_runs(tokenizer, sample) == [m["content"] + end_token for m in messages if m["role"] == "assistant"]
     assert not sample.truncated
 
@@ -90,22 +104,30 @@ def test_truncated_json_array_keeps_complete_records(tmp_path):
     ledger = Ledger()
     got = load_conversations(DataSection(source=str(path), shuffle_seed=None), ledger)
     assert [c.messages[1]["content"] for c in got] == ["a0", "a1"]
-    assert ledger.entries[0]["reason"] == "malformed" and ledger.entries[0]["where"] == f"{path}:26"  # where record 3 starts
+    assert (
+        ledger.entries[0]["reason"] == "malformed" and ledger.entries[0]["where"] == f"{path}:26"
+    )  # where record 3 starts
 
 
 def test_bad_jsonl_lines_go_to_the_ledger_with_file_and_line(tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", [
-        sharegpt(("human", "hi"), ("gpt", "hello")),
-        '{"conversations": [{"from": "human", "value": "unterminated',
-        sharegpt(("human", "only a question")),
-        {"messages": [{"role": "user", "content": "openai format"}, {"role": "assistant", "content": "ok"}]},
-        [1, 2, 3],
-    ])
+    path = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            sharegpt(("human", "hi"), ("gpt", "hello")),
+            '{"conversations": [{"from": "human", "value": "unterminated',
+            sharegpt(("human", "only a question")),
+            {"messages": [{"role": "user", "content": "openai format"}, {"role": "assistant", "content": "ok"}]},
+            [1, 2, 3],
+        ],
+    )
     ledger = Ledger()
     got = load_conversations(DataSection(source=str(path), shuffle_seed=None), ledger)
     assert [c.where for c in got] == [f"{path}:1", f"{path}:4"]
     assert [(e["reason"], e["where"]) for e in ledger.entries] == [
-        ("malformed", f"{path}:2"), ("no_assistant_turn", f"{path}:3"), ("malformed", f"{path}:5")]
+        ("malformed", f"{path}:2"),
+        ("no_assistant_turn", f"{path}:3"),
+        ("malformed", f"{path}:5"),
+    ]
 
 
 def test_missing_source_names_the_file_and_the_fix(tmp_path):
@@ -160,6 +182,7 @@ def test_local_forms_never_touch_the_network(tmp_path, monkeypatch):
 
 def test_bad_sources_name_data_source_and_the_fix(tmp_path, monkeypatch):
     """No traceback from inside datasets: one error naming data.source (or data.split) and the fix."""
+
     def fails(exception, pattern, source, **kw):
         with pytest.raises(exception, match=pattern) as error:
             load_conversations(DataSection(source=str(source), **kw), Ledger())
@@ -173,22 +196,34 @@ def test_bad_sources_name_data_source_and_the_fix(tmp_path, monkeypatch):
     fails(ValueError, r"data.source '.*fake.parquet': not a readable Parquet file", tmp_path / "fake.parquet")
     fails(FileNotFoundError, r"data.source '.*' is a directory but not one written by datasets' save_to_disk", tmp_path)
     write_forms(tmp_path, RECORDS["openai"])
-    fails(ValueError, r"data.split 'train' is not a split of data.source '.*saved_dict'; set data.split to one of "
-          r"\['test_sft', 'train_sft'\]", tmp_path / "saved_dict")
+    fails(
+        ValueError,
+        r"data.split 'train' is not a split of data.source '.*saved_dict'; set data.split to one of "
+        r"\['test_sft', 'train_sft'\]",
+        tmp_path / "saved_dict",
+    )
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # fails at once instead of retrying for 20 s
-    fails(FileNotFoundError, r"data.source 'HuggingFaceH4/ultrachat_200k': could not open the HF dataset .*when "
-          r"offline, save it .*save_to_disk\(DIR\)", "HuggingFaceH4/ultrachat_200k", split="train_sft")
+    fails(
+        FileNotFoundError,
+        r"data.source 'HuggingFaceH4/ultrachat_200k': could not open the HF dataset .*when "
+        r"offline, save it .*save_to_disk\(DIR\)",
+        "HuggingFaceH4/ultrachat_200k",
+        split="train_sft",
+    )
 
 
 def test_cleaning_rules(tmp_path):
     """Leading assistant turns and a trailing user turn are dropped; bad orders and empties are skipped."""
-    path = write_jsonl(tmp_path / "c.jsonl", [
-        sharegpt(("gpt", "leading"), ("human", "q"), ("gpt", "a"), ("human", "trailing")),
-        sharegpt(("human", "q"), ("human", "q again"), ("gpt", "a")),
-        sharegpt(("human", " "), ("gpt", "")),
-        sharegpt(("human", "q"), ("gpt", "a")),  # repeated on the next line: a duplicate
-        sharegpt(("human", "q"), ("gpt", "a")),
-    ])
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            sharegpt(("gpt", "leading"), ("human", "q"), ("gpt", "a"), ("human", "trailing")),
+            sharegpt(("human", "q"), ("human", "q again"), ("gpt", "a")),
+            sharegpt(("human", " "), ("gpt", "")),
+            sharegpt(("human", "q"), ("gpt", "a")),  # repeated on the next line: a duplicate
+            sharegpt(("human", "q"), ("gpt", "a")),
+        ],
+    )
     ledger = Ledger()
     got = load_conversations(DataSection(source=str(path), shuffle_seed=None, system_prompt="Be brief."), ledger)
     assert [m["content"] for m in got[0].messages] == ["Be brief.", "q", "a"]
@@ -255,5 +290,7 @@ def test_assets_command_prints_where_the_target_is(capsys):
     """`griffin assets` on a prepared asset: a cache hit that names the directory."""
     from pipeline.cli import main
 
-    assert main(["assets", "-c", "jobs/configs/tiny.yaml", "target.name=smollm2-135m-instruct", "target.tiny=null"]) == 0
+    assert (
+        main(["assets", "-c", "jobs/configs/tiny.yaml", "target.name=smollm2-135m-instruct", "target.tiny=null"]) == 0
+    )
     assert "targets/smollm2-135m-instruct" in capsys.readouterr().out

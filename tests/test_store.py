@@ -16,10 +16,13 @@ def rows(lengths, dtype="bf16", seed=0):
     gen = torch.Generator().manual_seed(seed)
     feats = [torch.randn(n, H, generator=gen) * 3 for n in lengths]
     encoded = [st.encode_hidden(f, dtype) for f in feats]
-    cols = {"sample_id": [f"s{seed}-{i}" for i in range(len(lengths))],
-            "input_ids": [np.arange(n, dtype=np.int32) + i for i, n in enumerate(lengths)],
-            "loss_mask": [(np.arange(n) % 2).astype(np.uint8) for n in lengths],
-            "hidden": [e[0] for e in encoded], "scales": [e[1] for e in encoded]}
+    cols = {
+        "sample_id": [f"s{seed}-{i}" for i in range(len(lengths))],
+        "input_ids": [np.arange(n, dtype=np.int32) + i for i, n in enumerate(lengths)],
+        "loss_mask": [(np.arange(n) % 2).astype(np.uint8) for n in lengths],
+        "hidden": [e[0] for e in encoded],
+        "scales": [e[1] for e in encoded],
+    }
     return cols, feats
 
 
@@ -88,8 +91,11 @@ def test_resume_adopts_finished_parts_and_drops_leftovers(tmp_path):
     manifest, done = st.open_for_writing(str(tmp_path), {"target_id": "t", "dtype": "bf16"}, {"cfg": 2})
     assert done == {"s0-0", "s0-1", "s7-0"} and len(manifest["files"]) == 2
     assert not manifest["complete"] and manifest["config"] == {"cfg": 2}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["_manifest.json", "part-killed-00000.parquet",
-                                                          "part-test-00000.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "_manifest.json",
+        "part-killed-00000.parquet",
+        "part-test-00000.parquet",
+    ]
     with pytest.raises(ValueError, match="captured differently .*dtype: store has 'bf16', expected 'fp8'"):
         st.open_for_writing(str(tmp_path), {"target_id": "t", "dtype": "fp8"}, {})
 
@@ -123,8 +129,12 @@ def test_pad_batches_respects_the_token_budget(tmp_path):
 def test_store_iterable_splits_files_across_ranks(tmp_path):
     make_store(tmp_path)
     files = st.part_files(str(tmp_path))
-    seen = [sid for rank in range(2) for batch in st.StoreIterable(files, 64, H, rank=rank, world_size=2)
-            for sid in batch["sample_ids"]]
+    seen = [
+        sid
+        for rank in range(2)
+        for batch in st.StoreIterable(files, 64, H, rank=rank, world_size=2)
+        for sid in batch["sample_ids"]
+    ]
     assert sorted(seen) == ["s0-0", "s0-1", "s0-2", "s1-0", "s1-1"]
     loader = torch.utils.data.DataLoader(st.StoreIterable(files, 64, H), batch_size=None)
     assert [tuple(b["input_ids"].shape) for b in loader] == [(5, 7)]  # rows of both files, one budget

@@ -32,8 +32,8 @@ def test_tree_verify_equals_each_path_separately(arch):
         path = [n for n in path if n >= 0]
         seq = torch.cat([PROMPT, tree.tokens[path][None]], dim=1)
         ref = target.model(seq, output_hidden_states=True)
-        assert torch.allclose(logits[0, path], ref.logits[0, PROMPT.shape[1]:], atol=1e-4)
-        assert torch.allclose(feats[0, path], ref.hidden_states[-1][0, PROMPT.shape[1]:], atol=1e-5)
+        assert torch.allclose(logits[0, path], ref.logits[0, PROMPT.shape[1] :], atol=1e-4)
+        assert torch.allclose(feats[0, path], ref.hidden_states[-1][0, PROMPT.shape[1] :], atol=1e-5)
 
 
 def test_commit_keeps_exactly_the_accepted_path():
@@ -63,9 +63,17 @@ def test_tied_head_is_the_embedding():
 
 
 # (dtype, tolerance): fp32 packs everywhere oneDNN is built in; bf16 only where the CPU runs it natively
-PACKED_DTYPES = [pytest.param(torch.float32, 1e-4, id="fp32"),
-                 pytest.param(torch.bfloat16, 0.05, id="bf16", marks=pytest.mark.skipif(
-                     not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU"))]
+PACKED_DTYPES = [
+    pytest.param(torch.float32, 1e-4, id="fp32"),
+    pytest.param(
+        torch.bfloat16,
+        0.05,
+        id="bf16",
+        marks=pytest.mark.skipif(
+            not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU"
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("dtype,atol", PACKED_DTYPES)
@@ -96,7 +104,8 @@ def test_prepacked_target_and_draft_match_unpacked(dtype, atol):
     assert draft.prepack()
     torch.testing.assert_close(draft.logits(prediction), before, atol=atol, rtol=0.02)
     assert "packed_head" not in dict(draft.named_modules()) and set(draft.state_dict()) == set(
-        GriffinDraft.for_target(plain).state_dict())
+        GriffinDraft.for_target(plain).state_dict()
+    )
 
 
 def test_prepack_is_a_no_op_in_fp16():

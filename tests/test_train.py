@@ -11,8 +11,12 @@ from pipeline.config import load_config
 from pipeline.train.driver import SCORE, run_train, stage_dir
 
 CONVERSATIONS = [
-    {"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-                       {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 4)}]}
+    {
+        "conversations": [
+            {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+            {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 4)},
+        ]
+    }
     for i in range(40)
 ]
 
@@ -32,10 +36,22 @@ def store(tmp_path_factory, ray_local):
 
 def train_cfg(store, name, *overrides):
     root, data, store_path = store
-    return load_config("jobs/configs/tiny.yaml", [
-        f"output_dir={root}", f"run_name={name}", f"data.source={data}", f"features.store={store_path}",
-        "train.num_workers=2", "train.method.warmup_steps=0", "train.eval_fraction=0.2",
-        "train.checkpoint_every=2", "train.eval_every=2", "train.batch_tokens=512", *overrides])
+    return load_config(
+        "jobs/configs/tiny.yaml",
+        [
+            f"output_dir={root}",
+            f"run_name={name}",
+            f"data.source={data}",
+            f"features.store={store_path}",
+            "train.num_workers=2",
+            "train.method.warmup_steps=0",
+            "train.eval_fraction=0.2",
+            "train.checkpoint_every=2",
+            "train.eval_every=2",
+            "train.batch_tokens=512",
+            *overrides,
+        ],
+    )
 
 
 def final_weights(cfg, stage=1):
@@ -44,7 +60,9 @@ def final_weights(cfg, stage=1):
 
 def last_states(cfg, stage):
     """The train_state of each rank in the stage's latest checkpoint."""
-    ckpts = sorted(p for p in (cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage{stage}").glob("checkpoint_*") if p.is_dir())
+    ckpts = sorted(
+        p for p in (cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage{stage}").glob("checkpoint_*") if p.is_dir()
+    )
     return [torch.load(p, weights_only=True) for p in sorted(ckpts[-1].glob("train_state_rank*.pt"))]
 
 
@@ -52,7 +70,11 @@ def last_states(cfg, stage):
 def schedule_run(store):
     """One 3-stage run, shared: its stage 1 (4 steps, its own LR decay) is also the uninterrupted
     reference of the resume test."""
-    cfg = train_cfg(store, "sched", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}, {stage: 2, steps: 2, lr: 0.002}, {stage: 3, steps: 2, lr: 0.002}]")
+    cfg = train_cfg(
+        store,
+        "sched",
+        "train.schedule=[{stage: 1, steps: 4, lr: 0.002}, {stage: 2, steps: 2, lr: 0.002}, {stage: 3, steps: 2, lr: 0.002}]",
+    )
     return cfg, run_train(cfg)
 
 
@@ -71,8 +93,15 @@ def test_three_stage_schedule_two_workers(schedule_run):
     assert Path(summary["best"], "model.safetensors").exists()
     states = last_states(cfg, 1)
     assert len(states) == 2 and states[0]["weights_sha256"] == states[1]["weights_sha256"]
-    seen = [{s for line in (stage_dir(cfg, 1) / f"data_rank{r}.jsonl").read_text().splitlines()
-             for s in json.loads(line)["sample_ids"] if s.startswith("0:")} for r in (0, 1)]  # epoch 0
+    seen = [
+        {
+            s
+            for line in (stage_dir(cfg, 1) / f"data_rank{r}.jsonl").read_text().splitlines()
+            for s in json.loads(line)["sample_ids"]
+            if s.startswith("0:")
+        }
+        for r in (0, 1)
+    ]  # epoch 0
     assert seen[0] and seen[1] and not seen[0] & seen[1]
 
     mlflow.set_tracking_uri(cfg.tracking_uri)
@@ -133,13 +162,16 @@ def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
     cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}"])
     target = load_target(cfg.target)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        _checked_init(cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(tmp_path)})}), target)
+        _checked_init(
+            cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(tmp_path)})}), target
+        )
     eagle = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
     bad = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}"])
     with pytest.raises(ValueError, match="'eagle' draft but draft.variant='griffin'"):
         _checked_init(bad, target)
-    good = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}",
-                                                  "draft.variant=eagle"])
+    good = load_config(
+        "jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}", "draft.variant=eagle"]
+    )
     assert _checked_init(good, target) == str(Path(eagle).resolve())
     other = load_target(load_config("jobs/configs/tiny.yaml", ["target.tiny.num_hidden_layers=1"]).target)
     with pytest.raises(ValueError, match="target weights sha256"):

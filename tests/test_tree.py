@@ -24,8 +24,15 @@ def build(setup, cfg, T=9):
     return tree, cache
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig(total_tokens=6, depth=5, top_k=1),
-                                 TreeConfig(total_tokens=1, depth=1, top_k=1), TreeConfig(total_tokens=25, depth=4, top_k=5)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TreeConfig(),
+        TreeConfig(total_tokens=6, depth=5, top_k=1),
+        TreeConfig(total_tokens=1, depth=1, top_k=1),
+        TreeConfig(total_tokens=25, depth=4, top_k=5),
+    ],
+)
 def test_tree_invariants(setup, cfg):
     tree, cache = build(setup, cfg)
     N = cfg.total_tokens

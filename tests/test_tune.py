@@ -44,8 +44,21 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     torch.manual_seed(0)
     target = load_target(cfg.target)
     draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
-    code = main(["tune-tree", "-c", str(TINY), f"output_dir={tmp_path}", "--draft", str(draft_dir),
-                 "--prompts", "2", "--max-new-tokens", "6", "eval.datasets=[mt_bench]"])
+    code = main(
+        [
+            "tune-tree",
+            "-c",
+            str(TINY),
+            f"output_dir={tmp_path}",
+            "--draft",
+            str(draft_dir),
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "eval.datasets=[mt_bench]",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "best tree:" in printed and "decode.tree.total_tokens=" in printed
@@ -60,8 +73,13 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
 def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
     """`griffin run` reuses tune_tree.json for the same draft, calibration, search and machine, and
     tunes again when any of them changed."""
-    same = [f"output_dir={tmp_path}", "decode.tune_prompts=1", "decode.tune_max_new_tokens=4", "decode.tune_sweeps=1",
-            "eval.datasets=[mt_bench]"]
+    same = [
+        f"output_dir={tmp_path}",
+        "decode.tune_prompts=1",
+        "decode.tune_max_new_tokens=4",
+        "decode.tune_sweeps=1",
+        "eval.datasets=[mt_bench]",
+    ]
     cfg = load_config(TINY, same)
     torch.manual_seed(0)
     target = load_target(cfg.target)
@@ -72,6 +90,11 @@ def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
     assert reusable_tuning(cfg, draft_dir)["best"]["tau"] >= 1.0
     assert reusable_tuning(cfg, relative) is not None
     assert reusable_tuning(cfg, str(tmp_path / "another-draft")) is None
-    for changed in ("decode.tune_prompts=2", "decode.tune_max_new_tokens=8", "decode.tune_sweeps=2",
-                    "eval.datasets=[humaneval]", "decode.tree.total_tokens=6"):
+    for changed in (
+        "decode.tune_prompts=2",
+        "decode.tune_max_new_tokens=8",
+        "decode.tune_sweeps=2",
+        "eval.datasets=[humaneval]",
+        "decode.tree.total_tokens=6",
+    ):
         assert reusable_tuning(load_config(TINY, [*same, changed]), draft_dir) is None, changed

@@ -44,11 +44,13 @@ def test_greedy_walk():
 
 def test_warp_top_k_top_p():
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    assert torch.allclose(warp_probs(logits, SamplingConfig(temperature=1.0, top_k=2)),
-                          torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    assert torch.allclose(
+        warp_probs(logits, SamplingConfig(temperature=1.0, top_k=2)), torch.tensor([5 / 7, 2 / 7, 0, 0, 0])
+    )
     # top_p 0.8: 0.5 + 0.2 = 0.7 < 0.8 so 0.15 is kept too; 0.85 >= 0.8 drops the rest
-    assert torch.allclose(warp_probs(logits, SamplingConfig(temperature=1.0, top_p=0.8)),
-                          torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    assert torch.allclose(
+        warp_probs(logits, SamplingConfig(temperature=1.0, top_p=0.8)), torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85
+    )
     assert warp_probs(logits, SamplingConfig(temperature=1.0, top_p=0.3)).tolist() == [1.0, 0, 0, 0, 0]
 
 

@@ -52,8 +52,12 @@ def rows() -> dict[str, dict | None]:
     return table
 
 
-VOCABS = {"stage 1 only: 4k vocab": 4096, "stage 1 only: GRIFFIN, 8k vocab": 8192,
-          "stage 1 only: 16k vocab": 16384, "stage 1 only: full 49152 vocab": 49152}
+VOCABS = {
+    "stage 1 only: 4k vocab": 4096,
+    "stage 1 only: GRIFFIN, 8k vocab": 8192,
+    "stage 1 only: 16k vocab": 16384,
+    "stage 1 only: full 49152 vocab": 49152,
+}
 
 
 def head_ms(hidden: int = 576, rows: int = 4, top_k: int = 4, repeats: int = 300) -> dict[int, float]:

@@ -49,8 +49,13 @@ def heldout_batches(store: str, cfg, hidden_size: int, device, first_only: bool)
     files, ids = part_files(store), eval_split(store, cfg.train.eval_fraction)
     batches = []
     for batch in pad_batches(split_rows(files, ids, keep=True), cfg.train.batch_tokens, hidden_size, False):
-        shifted = shift_batch(batch["features"].to(device), batch["input_ids"].to(device),
-                              batch["loss_mask"].to(device), batch["attention_mask"].to(device), "draft")
+        shifted = shift_batch(
+            batch["features"].to(device),
+            batch["input_ids"].to(device),
+            batch["loss_mask"].to(device),
+            batch["attention_mask"].to(device),
+            "draft",
+        )
         if first_only:
             reply = batch["loss_mask"] * batch["attention_mask"]  # (B, T)
             first = (1 - reply) * shift_left(reply) * shift_left(reply, 2)  # (B, T)
@@ -79,24 +84,37 @@ def main() -> None:
     for name, path in drafts.items():
         draft = load_draft(path, target, dtype=torch.float32)
         if draft.cfg.feature_layers:
-            raise SystemExit(f"{name}: a multi-layer draft (EAGLE-3, GRIFFIN-3) reads feature layers, which this "
-                             "scorer does not load; score it through its training's held-out metric")
+            raise SystemExit(
+                f"{name}: a multi-layer draft (EAGLE-3, GRIFFIN-3) reads feature layers, which this "
+                "scorer does not load; score it through its training's held-out metric"
+            )
         teachers = [teacher_ids(draft, b, head, bf16) for b in batches]
         for k in args.top_k:
-            counts = sum(acceptance_counts(draft, b, STEPS, bf16=bf16, teacher=t, top_k=k)
-                         for b, t in zip(batches, teachers))
+            counts = sum(
+                acceptance_counts(draft, b, STEPS, bf16=bf16, teacher=t, top_k=k) for b, t in zip(batches, teachers)
+            )
             metrics = acceptance_metrics(counts)
             results[name if k == 1 else f"{name} top-{k}"] = {"draft": path, "top_k": k, **metrics}
             print(name, k, {m: round(v, 4) for m, v in metrics.items()}, flush=True)
     out = Path(__file__).parent
-    (out / f"{args.out}.json").write_text(json.dumps({"store": store, "starts": args.starts, "steps": STEPS,
-                                                      "top_k": args.top_k, "results": results}, indent=2))
+    (out / f"{args.out}.json").write_text(
+        json.dumps(
+            {"store": store, "starts": args.starts, "steps": STEPS, "top_k": args.top_k, "results": results}, indent=2
+        )
+    )
     where = "each reply's first draft" if args.starts == "first" else "every reply position (the draft window)"
-    lines = [f"Chains that start at {where}, held-out rows of `{Path(store).name}` "
-             f"({int(next(iter(results.values()))['eval/chains'])} chains).", "",
-             "| draft | acc_0 | acc_1 | acc_2 | expected accepted tokens |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {r['eval/acc_0']:.3f} | {r['eval/acc_1']:.3f} | {r['eval/acc_2']:.3f} | "
-              f"{r['eval/sim_accept_len']:.3f} |" for name, r in results.items()]
+    lines = [
+        f"Chains that start at {where}, held-out rows of `{Path(store).name}` "
+        f"({int(next(iter(results.values()))['eval/chains'])} chains).",
+        "",
+        "| draft | acc_0 | acc_1 | acc_2 | expected accepted tokens |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {r['eval/acc_0']:.3f} | {r['eval/acc_1']:.3f} | {r['eval/acc_2']:.3f} | "
+        f"{r['eval/sim_accept_len']:.3f} |"
+        for name, r in results.items()
+    ]
     (out / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

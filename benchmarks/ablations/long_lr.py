@@ -39,13 +39,26 @@ def main() -> None:
     old = dict(shipped_curve())
     shared = [(step, old[step], value) for step, value in new if step in old]
     OUT.mkdir(exist_ok=True)
-    (OUT / "long_lr.json").write_text(json.dumps({
-        "config": CONFIG, "stage1_lr": {"shipped": 5e-4, "new": new_lr}, "metric": "eval/sim_accept_len",
-        "shipped": sorted(old.items()), "new": new,
-        "ratio_at_equal_steps": {step: value / base for step, base, value in shared}}, indent=2))
-    lines = [f"GRIFFIN on `{CONFIG}`'s store, the same schedule shape (stage 1 of 4,000 steps decaying over the stage, "
-             "then 100 + 50 steps of stages 2-3 at 3e-5); held-out expected accepted tokens at each checkpoint.", "",
-             f"| step | shipped draft's run, stage-1 lr 5e-4 | stage-1 lr {new_lr:g} | ratio |", "|---|---|---|---|"]
+    (OUT / "long_lr.json").write_text(
+        json.dumps(
+            {
+                "config": CONFIG,
+                "stage1_lr": {"shipped": 5e-4, "new": new_lr},
+                "metric": "eval/sim_accept_len",
+                "shipped": sorted(old.items()),
+                "new": new,
+                "ratio_at_equal_steps": {step: value / base for step, base, value in shared},
+            },
+            indent=2,
+        )
+    )
+    lines = [
+        f"GRIFFIN on `{CONFIG}`'s store, the same schedule shape (stage 1 of 4,000 steps decaying over the stage, "
+        "then 100 + 50 steps of stages 2-3 at 3e-5); held-out expected accepted tokens at each checkpoint.",
+        "",
+        f"| step | shipped draft's run, stage-1 lr 5e-4 | stage-1 lr {new_lr:g} | ratio |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {step} | {base:.3f} | {value:.3f} | {value / base:.3f} |" for step, base, value in shared]
     (OUT / "long_lr.md").write_text("\n".join(lines) + "\n")
     chart(sorted(old.items()), new, new_lr, OUT / "long_lr.png")
@@ -59,8 +72,11 @@ def chart(old: list, new: list, new_lr: float, path: Path) -> None:
     axes = figure.subplots()
     axes.plot([s for s, _ in old], [v for _, v in old], marker=".", label="stage-1 lr 5e-4 (shipped draft)")
     axes.plot([s for s, _ in new], [v for _, v in new], marker=".", label=f"stage-1 lr {new_lr:g}")
-    axes.set(xlabel="optimizer step (all stages)", ylabel="held-out expected accepted tokens",
-             title="SmolLM2-135M GRIFFIN, long budget: the sweep's LR against the shipped one")
+    axes.set(
+        xlabel="optimizer step (all stages)",
+        ylabel="held-out expected accepted tokens",
+        title="SmolLM2-135M GRIFFIN, long budget: the sweep's LR against the shipped one",
+    )
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     axes.grid(alpha=0.3)
     figure.tight_layout()

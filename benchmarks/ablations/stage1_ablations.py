@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).parent
 CONFIG = "smollm2-long"
 BASE = "window-draft"
-ARMS = {BASE: "default: `loss_window: draft`, random decoder init",
-        "window-reference": "`train.method.loss_window=reference` (EAGLE's unshifted mask)",
-        "init-last": "`draft.init_layer=-1` (decoder layer from the target's last layer)"}
+ARMS = {
+    BASE: "default: `loss_window: draft`, random decoder init",
+    "window-reference": "`train.method.loss_window=reference` (EAGLE's unshifted mask)",
+    "init-last": "`draft.init_layer=-1` (decoder layer from the target's last layer)",
+}
 ACCS = ("eval/acc_0", "eval/acc_1", "eval/acc_2")
 
 
@@ -41,6 +43,7 @@ def arm(run: str, config: str) -> dict | None:
 
 def plot(arms: dict[str, dict | None], labels: dict[str, str], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -61,14 +64,21 @@ def plot(arms: dict[str, dict | None], labels: dict[str, str], path: Path) -> No
 def table(arms: dict[str, dict | None], labels: dict[str, str], base: str, config: str) -> list[str]:
     """A markdown table: held-out metric per checkpoint, per-step acceptance and ratio to ``base``. Its
     columns are training tokens, so arms with different batch sizes line up at equal data."""
+
     def by_tokens(a: dict) -> dict[int, float]:
         return {s * a["batch_tokens"] // 1000: v for s, v in a["curve"]}
+
     kilotokens = sorted({t for a in arms.values() if a for t in by_tokens(a)})
     base_score = arms[base]["best"][METRIC] if arms.get(base) else None
-    lines = [f"GRIFFIN stage 1 from scratch on `{config}`'s store, the same seed and held-out rows; "
-             f"`{METRIC}` at each checkpoint (held-out chains start on the draft window in every arm).", "",
-             "| arm | " + " | ".join(f"{t}k tokens" for t in kilotokens) + " | acc_0 / acc_1 / acc_2 (best) | best / default |",
-             "|---|" + "---|" * (len(kilotokens) + 2)]
+    lines = [
+        f"GRIFFIN stage 1 from scratch on `{config}`'s store, the same seed and held-out rows; "
+        f"`{METRIC}` at each checkpoint (held-out chains start on the draft window in every arm).",
+        "",
+        "| arm | "
+        + " | ".join(f"{t}k tokens" for t in kilotokens)
+        + " | acc_0 / acc_1 / acc_2 (best) | best / default |",
+        "|---|" + "---|" * (len(kilotokens) + 2),
+    ]
     for name, label in labels.items():
         a = arms[name]
         if a is None:
@@ -77,8 +87,11 @@ def table(arms: dict[str, dict | None], labels: dict[str, str], base: str, confi
         curve = by_tokens(a)
         accs = " / ".join(f"{a['best'][k]:.3f}" for k in ACCS)
         ratio = f"{a['best'][METRIC] / base_score:.3f}" if base_score else "-"
-        lines.append(f"| {label} | " + " | ".join(f"{curve[t]:.3f}" if t in curve else "-" for t in kilotokens)
-                     + f" | {accs} | {ratio} |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{curve[t]:.3f}" if t in curve else "-" for t in kilotokens)
+            + f" | {accs} | {ratio} |"
+        )
     return lines
 
 

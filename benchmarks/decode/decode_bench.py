@@ -33,9 +33,15 @@ OUT = Path(__file__).parent
 
 def prompts(target, n):
     lines = load_questions("mt_bench", n)
-    return [target.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
-                                                 add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-            for q in lines]
+    return [
+        target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+        for q in lines
+    ]
 
 
 def time_it(fn):
@@ -51,17 +57,24 @@ def bench_generate(packed, plain, ids_list, new_tokens):
         runs = {
             "ours": lambda: vanilla_generate(packed, ids, greedy, new_tokens, stop_token_ids=[]).tokens,
             "ours_plain": lambda: vanilla_generate(plain, ids, greedy, new_tokens, stop_token_ids=[]).tokens,
-            "hf": lambda: plain.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                               do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist(),
+            "hf": lambda: plain.model.generate(
+                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )[0, ids.shape[1] :].tolist(),
         }
-        order = list(runs)[i % 3:] + list(runs)[: i % 3]  # rotate who goes first
+        order = list(runs)[i % 3 :] + list(runs)[: i % 3]  # rotate who goes first
         seconds, tokens = {}, {}
         for name in order:
             seconds[name], tokens[name] = time_it(runs[name])
-        rows.append({"prompt_len": ids.shape[1], **{f"{n}_tok_s": new_tokens / seconds[n] for n in runs},
-                     "ratio": seconds["hf"] / seconds["ours"], "ratio_plain": seconds["hf"] / seconds["ours_plain"],
-                     "same_tokens_plain_hf": tokens["ours_plain"] == tokens["hf"],
-                     "same_tokens_packed_hf": tokens["ours"] == tokens["hf"]})
+        rows.append(
+            {
+                "prompt_len": ids.shape[1],
+                **{f"{n}_tok_s": new_tokens / seconds[n] for n in runs},
+                "ratio": seconds["hf"] / seconds["ours"],
+                "ratio_plain": seconds["hf"] / seconds["ours_plain"],
+                "same_tokens_plain_hf": tokens["ours_plain"] == tokens["hf"],
+                "same_tokens_packed_hf": tokens["ours"] == tokens["hf"],
+            }
+        )
     return rows
 
 
@@ -74,9 +87,16 @@ def bench_verify(targets, ids, reps):
         cache = target.new_cache(ids.shape[1] + 128)
         features, _ = target.forward(ids, cache, all_logits=False)
         tokens = torch.cat([ids[0, 1:], torch.tensor([42])])[None]
-        trees = {n: draft_tree(draft, KVCache.allocate(draft.cfg, 512, dtype=target.dtype), features, tokens,
-                               TreeConfig(total_tokens=n, depth=6 if n == 60 else 5, top_k=10 if n == 60 else 4))
-                 for n in (60, 16)}
+        trees = {
+            n: draft_tree(
+                draft,
+                KVCache.allocate(draft.cfg, 512, dtype=target.dtype),
+                features,
+                tokens,
+                TreeConfig(total_tokens=n, depth=6 if n == 60 else 5, top_k=10 if n == 60 else 4),
+            )
+            for n in (60, 16)
+        }
         setups[name] = (target, cache, cache.length, trees)
     for _ in range(reps):
         row = {}
@@ -98,16 +118,22 @@ def bench_layouts(target, reps):
     """oneDNN's packed layout is chosen for a batch size (``griffin.target.LAYOUT_BATCH``): the median ms
     of the target's LM head and one MLP up-projection at M rows, on plain weights and on layouts packed
     for batch 1 and 16, interleaved."""
-    weights = {"lm_head": target.head_weight.detach(),
-               "mlp_up": target.model.model.layers[0].mlp.up_proj.weight.detach()}
+    weights = {
+        "lm_head": target.head_weight.detach(),
+        "mlp_up": target.model.model.layers[0].mlp.up_proj.weight.detach(),
+    }
     rows = {}
     for name, w in weights.items():
         layouts = {f"packed_b{b}": torch.ops.mkldnn._reorder_linear_weight(w, b) for b in (1, 16)}
         for m in (1, 2, 8, 16, 32):
             x = torch.randn(m, w.shape[1], dtype=w.dtype)
-            runs = {"plain": lambda: torch.nn.functional.linear(x, w),
-                    **{k: (lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
-                       for k, p in layouts.items()}}
+            runs = {
+                "plain": lambda: torch.nn.functional.linear(x, w),
+                **{
+                    k: (lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                    for k, p in layouts.items()
+                },
+            }
             times = {k: [] for k in runs}
             with torch.inference_mode():
                 for rep in range(reps + 1):  # repetition 0 warms up
@@ -136,18 +162,30 @@ def main():
     ver = bench_verify({"packed": packed, "plain": plain}, ids_list[0], args.reps)
     layouts = bench_layouts(plain, args.reps)
     med = lambda rows, k: statistics.median(r[k] for r in rows)
-    summary = {"ours_tok_s_median": med(gen, "ours_tok_s"), "ours_plain_tok_s_median": med(gen, "ours_plain_tok_s"),
-               "hf_tok_s_median": med(gen, "hf_tok_s"), "speed_ratio_ours_over_hf_median": med(gen, "ratio"),
-               "speed_ratio_plain_over_hf_median": med(gen, "ratio_plain"),
-               "identical_plain_vs_hf": all(r["same_tokens_plain_hf"] for r in gen),
-               "identical_packed_vs_hf": sum(r["same_tokens_packed_hf"] for r in gen)}
+    summary = {
+        "ours_tok_s_median": med(gen, "ours_tok_s"),
+        "ours_plain_tok_s_median": med(gen, "ours_plain_tok_s"),
+        "hf_tok_s_median": med(gen, "hf_tok_s"),
+        "speed_ratio_ours_over_hf_median": med(gen, "ratio"),
+        "speed_ratio_plain_over_hf_median": med(gen, "ratio_plain"),
+        "identical_plain_vs_hf": all(r["same_tokens_plain_hf"] for r in gen),
+        "identical_packed_vs_hf": sum(r["same_tokens_packed_hf"] for r in gen),
+    }
     for layout in ("packed", "plain"):
         for key in ("step_ms", "verify16_ms", "verify60_ms", "verify16_over_step", "verify60_over_step"):
             summary[f"{layout}_{key}_median"] = med(ver, f"{layout}_{key}")
     result = {
-        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
-                     "torch": torch.__version__},
-        "target": f"smollm2-135m-instruct {args.dtype}", "new_tokens": args.new, "generate": gen, "verify": ver, "layouts_ms": layouts,
+        "hardware": {
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "cpus": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        "target": f"smollm2-135m-instruct {args.dtype}",
+        "new_tokens": args.new,
+        "generate": gen,
+        "verify": ver,
+        "layouts_ms": layouts,
         "summary": summary,
     }
     (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2))
@@ -169,14 +207,20 @@ def main():
         f"{s['plain_verify60_over_step_median']:.2f}x |\n\n"
         "oneDNN layout by the batch it is packed for (median ms of one product with M input rows):\n\n"
         "| product, M | plain weights | packed for batch 1 | packed for batch 16 |\n|---|---|---|---|\n"
-        + "".join(f"| {k} | {v['plain']:.3f} | {v['packed_b1']:.3f} | {v['packed_b16']:.3f} |\n"
-                  for k, v in layouts.items()))
+        + "".join(
+            f"| {k} | {v['plain']:.3f} | {v['packed_b1']:.3f} | {v['packed_b16']:.3f} |\n" for k, v in layouts.items()
+        )
+    )
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].bar(["ours (packed)", "ours (plain)", "HF generate"],
-                [s["ours_tok_s_median"], s["ours_plain_tok_s_median"], s["hf_tok_s_median"]])
+    axes[0].bar(
+        ["ours (packed)", "ours (plain)", "HF generate"],
+        [s["ours_tok_s_median"], s["ours_plain_tok_s_median"], s["hf_tok_s_median"]],
+    )
     axes[0].set_ylabel("tokens/s (median)")
     labels = ["step", "16-tree", "60-tree"]
     for offset, layout in ((-0.2, "packed"), (0.2, "plain")):

@@ -67,7 +67,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    targets = {name: TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype=dtype) for name, dtype in DTYPES.items()}
+    targets = {
+        name: TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype=dtype) for name, dtype in DTYPES.items()
+    }
     samples: dict[str, dict[str, list[float]]] = {name: {"featurize": [], "train": [], "decode": []} for name in DTYPES}
     for _ in range(args.repeats):
         for name in DTYPES:  # interleaved: load drift hits both dtypes alike
@@ -75,27 +77,36 @@ def main() -> None:
             samples[name]["train"].append(train_seconds_per_step(targets["fp32"], bf16=name == "bf16"))
             samples[name]["decode"].append(decode_tokens_per_s(targets[name]))
     medians = {name: {k: statistics.median(v) for k, v in m.items()} for name, m in samples.items()}
-    result = {"hardware": {"processor": platform.processor() or platform.machine(), "cpu_capability":
-                           torch.backends.cpu.get_cpu_capability(), "fast_bf16": fast_bf16("cpu"),
-                           "torch_threads": torch.get_num_threads()},
-              "repeats": args.repeats, "samples": samples, "medians": medians,
-              "fp32_over_bf16": {"featurize": medians["fp32"]["featurize"] / medians["bf16"]["featurize"],
-                                 "train": medians["bf16"]["train"] / medians["fp32"]["train"],
-                                 "decode": medians["fp32"]["decode"] / medians["bf16"]["decode"]}}
+    result = {
+        "hardware": {
+            "processor": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "fast_bf16": fast_bf16("cpu"),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "repeats": args.repeats,
+        "samples": samples,
+        "medians": medians,
+        "fp32_over_bf16": {
+            "featurize": medians["fp32"]["featurize"] / medians["bf16"]["featurize"],
+            "train": medians["bf16"]["train"] / medians["fp32"]["train"],
+            "decode": medians["fp32"]["decode"] / medians["bf16"]["decode"],
+        },
+    }
     (OUT / "dtype.json").write_text(json.dumps(result, indent=2))
     ratio = result["fp32_over_bf16"]
     (OUT / "dtype.md").write_text(f"""# bf16 against fp32 on this CPU (`benchmarks/decode/dtype_bench.py`)
 
-Hardware: {result['hardware']}. SmolLM2-135M-Instruct; {args.repeats} interleaved repeats, medians.
+Hardware: {result["hardware"]}. SmolLM2-135M-Instruct; {args.repeats} interleaved repeats, medians.
 
 | | fp32 | bf16 | fp32 / bf16 speed |
 |---|---|---|---|
-| featurize forward (B=2, T=512), tokens/s | {medians['fp32']['featurize']:.0f} | {medians['bf16']['featurize']:.0f} | {ratio['featurize']:.1f}x |
-| stage-1 training step (2048 tokens, 8k draft vocabulary), s | {medians['fp32']['train']:.2f} | {medians['bf16']['train']:.2f} | {ratio['train']:.1f}x |
-| vanilla decode (24 tokens after a 64-token prompt), tokens/s | {medians['fp32']['decode']:.1f} | {medians['bf16']['decode']:.1f} | {ratio['decode']:.1f}x |
+| featurize forward (B=2, T=512), tokens/s | {medians["fp32"]["featurize"]:.0f} | {medians["bf16"]["featurize"]:.0f} | {ratio["featurize"]:.1f}x |
+| stage-1 training step (2048 tokens, 8k draft vocabulary), s | {medians["fp32"]["train"]:.2f} | {medians["bf16"]["train"]:.2f} | {ratio["train"]:.1f}x |
+| vanilla decode (24 tokens after a 64-token prompt), tokens/s | {medians["fp32"]["decode"]:.1f} | {medians["bf16"]["decode"]:.1f} | {ratio["decode"]:.1f}x |
 
-`fast_bf16` = {result['hardware']['fast_bf16']}: `target.dtype: auto` and `train.precision: auto` pick
-{'bf16' if result['hardware']['fast_bf16'] else 'fp32'} here.
+`fast_bf16` = {result["hardware"]["fast_bf16"]}: `target.dtype: auto` and `train.precision: auto` pick
+{"bf16" if result["hardware"]["fast_bf16"] else "fp32"} here.
 """)
     print((OUT / "dtype.md").read_text())
 

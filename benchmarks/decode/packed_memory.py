@@ -46,15 +46,25 @@ def main() -> None:
             code = ARM.format(root=str(ROOT), dtype=args.dtype, arm=arm)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             runs[arm].append(json.loads(out.strip().splitlines()[-1]))
-    summary = {arm: {key: median(r[key] for r in rows) for key in ("loaded_mib", "packed_mib")} for arm, rows in runs.items()}
+    summary = {
+        arm: {key: median(r[key] for r in rows) for key in ("loaded_mib", "packed_mib")} for arm, rows in runs.items()
+    }
     out = Path(__file__).parent
-    (out / "packed_memory.json").write_text(json.dumps({"dtype": args.dtype, "runs": runs, "median": summary}, indent=2))
+    (out / "packed_memory.json").write_text(
+        json.dumps({"dtype": args.dtype, "runs": runs, "median": summary}, indent=2)
+    )
     kept, released = summary["kept"]["packed_mib"], summary["released"]["packed_mib"]
-    lines = [f"SmolLM2-135M-Instruct, {args.dtype}: resident memory (RSS) of a fresh process, median of 3.", "",
-             "| packed target | RSS after loading, MiB | RSS after packing, MiB |", "|---|---|---|",
-             f"| plain weights kept (before) | {summary['kept']['loaded_mib']:.0f} | {kept:.0f} |",
-             f"| plain weights released, all but the LM head's (now) | {summary['released']['loaded_mib']:.0f} | "
-             f"{released:.0f} |", "", f"Released / kept: {released / kept:.2f} ({kept - released:.0f} MiB less)."]
+    lines = [
+        f"SmolLM2-135M-Instruct, {args.dtype}: resident memory (RSS) of a fresh process, median of 3.",
+        "",
+        "| packed target | RSS after loading, MiB | RSS after packing, MiB |",
+        "|---|---|---|",
+        f"| plain weights kept (before) | {summary['kept']['loaded_mib']:.0f} | {kept:.0f} |",
+        f"| plain weights released, all but the LM head's (now) | {summary['released']['loaded_mib']:.0f} | "
+        f"{released:.0f} |",
+        "",
+        f"Released / kept: {released / kept:.2f} ({kept - released:.0f} MiB less).",
+    ]
     (out / "packed_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -35,8 +35,16 @@ from pipeline.resources.drafts import load_draft  # noqa: E402
 from pipeline.resources.questions import load_questions  # noqa: E402
 
 OUT = Path(__file__).parent
-RANGES = ("griffin.draft_tree", "griffin.draft.catch_up", "griffin.draft.level_step", "griffin.draft.head_topk",
-          "griffin.draft.assemble", "griffin.verify_forward", "griffin.accept", "griffin.commit")
+RANGES = (
+    "griffin.draft_tree",
+    "griffin.draft.catch_up",
+    "griffin.draft.level_step",
+    "griffin.draft.head_topk",
+    "griffin.draft.assemble",
+    "griffin.verify_forward",
+    "griffin.accept",
+    "griffin.commit",
+)
 
 
 def main() -> None:
@@ -53,7 +61,7 @@ def main() -> None:
     stem = "round_profile" if target.dtype == torch.bfloat16 else "round_profile-fp32"
     packed = target.prepack()
     draft = load_draft(args.draft, target, load_config("jobs/configs/smollm2-quick.yaml"))  # packed like the target
-    questions = [q["turns"][0] for q in load_questions("mt_bench")[-args.prompts:]]
+    questions = [q["turns"][0] for q in load_questions("mt_bench")[-args.prompts :]]
     prompts = [torch.tensor([render_chat(target.tokenizer, [{"role": "user", "content": q}])]) for q in questions]
     speculative_generate(target, draft, prompts[0], tree, SamplingConfig(), 8)  # warm-up
     rounds, wall = 0, 0.0
@@ -66,16 +74,27 @@ def main() -> None:
     for event in prof.key_averages():
         if event.key in RANGES:
             per_range[event.key] += event.cpu_time_total / 1e3  # ms
-    ops = sorted(((e.key, e.self_cpu_time_total / 1e3) for e in prof.key_averages() if not e.key.startswith("griffin.")),
-                 key=lambda x: -x[1])[:12]
-    result = {"tree": tree.model_dump(), "dtype": str(target.dtype), "prepacked": packed, "rounds": rounds,
-              "round_ms": 1e3 * wall / rounds,
-              "ms_per_round": {k: per_range[k] / rounds for k in RANGES},
-              "top_self_ops_ms_per_round": {k: v / rounds for k, v in ops}}
+    ops = sorted(
+        ((e.key, e.self_cpu_time_total / 1e3) for e in prof.key_averages() if not e.key.startswith("griffin.")),
+        key=lambda x: -x[1],
+    )[:12]
+    result = {
+        "tree": tree.model_dump(),
+        "dtype": str(target.dtype),
+        "prepacked": packed,
+        "rounds": rounds,
+        "round_ms": 1e3 * wall / rounds,
+        "ms_per_round": {k: per_range[k] / rounds for k in RANGES},
+        "top_self_ops_ms_per_round": {k: v / rounds for k, v in ops},
+    }
     (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    lines = [f"{target.dtype}, tree {total}/{depth}/{top_k}, {rounds} rounds over {args.prompts} MT-Bench prompts, "
-             f"{result['round_ms']:.1f} ms per round (timed, profiler on).", "",
-             "| range | ms per round | share of the round |", "|---|---|---|"]
+    lines = [
+        f"{target.dtype}, tree {total}/{depth}/{top_k}, {rounds} rounds over {args.prompts} MT-Bench prompts, "
+        f"{result['round_ms']:.1f} ms per round (timed, profiler on).",
+        "",
+        "| range | ms per round | share of the round |",
+        "|---|---|---|",
+    ]
     for key in RANGES:
         ms = result["ms_per_round"][key]
         lines.append(f"| {key} | {ms:.2f} | {ms / result['round_ms']:.0%} |")

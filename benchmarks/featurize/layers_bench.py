@@ -44,8 +44,9 @@ def batches_of(cfg, samples, hidden_size) -> list[dict]:
             rows[:] = [ids[i] for i in group]
             mask_rows = np.empty(len(group), dtype=object)
             mask_rows[:] = [masks[i] for i in group]
-            out.append({"sample_id": np.asarray([f"{len(out)}-{i}" for i in group]), "input_ids": rows,
-                        "loss_mask": mask_rows})
+            out.append(
+                {"sample_id": np.asarray([f"{len(out)}-{i}" for i in group]), "input_ids": rows, "loss_mask": mask_rows}
+            )
     return out
 
 
@@ -58,17 +59,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="griffin-layers-bench-"))
-    cfg = config_from_dict({
-        "run_name": "layers-bench", "output_dir": str(work),
-        "target": {"name": "smollm2-135m-instruct", "dtype": "bfloat16"},
-        "data": {"source": "sharegpt", "limit": args.conversations, "max_len": args.max_len, "shuffle_seed": 42},
-        "features": {"batch_tokens": args.batch_tokens}})
+    cfg = config_from_dict(
+        {
+            "run_name": "layers-bench",
+            "output_dir": str(work),
+            "target": {"name": "smollm2-135m-instruct", "dtype": "bfloat16"},
+            "data": {"source": "sharegpt", "limit": args.conversations, "max_len": args.max_len, "shuffle_seed": 42},
+            "features": {"batch_tokens": args.batch_tokens},
+        }
+    )
     key, samples, _ = _prepare(cfg)
     hidden = key["hidden_size"]
     layers = default_feature_layers(30)
-    featurizers = {(name, dtype): Featurizer(cfg.target.model_dump(), dtype, args.batch_tokens, chosen)
-                   for name, chosen in (("final feature only", ()), (f"+ layers {list(layers)}", layers))
-                   for dtype in ("bf16", "fp8")}
+    featurizers = {
+        (name, dtype): Featurizer(cfg.target.model_dump(), dtype, args.batch_tokens, chosen)
+        for name, chosen in (("final feature only", ()), (f"+ layers {list(layers)}", layers))
+        for dtype in ("bf16", "fp8")
+    }
     batches = batches_of(cfg, samples, hidden)
     rates = {key: [] for key in featurizers}
     sizes = {key: [0, 0] for key in featurizers}
@@ -88,24 +95,40 @@ def main() -> None:
     plain, multi = [key for key in featurizers if key[1] == "bf16"]
     ratios = [b / a for a, b in zip(rates[plain], rates[multi])]
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                    "torch": torch.__version__},
-        "target": "smollm2-135m-instruct (bf16, H=576, 30 layers)", "layers": list(layers),
-        "batches": len(batches), "tokens": int(sum(len(s.input_ids) for s in samples)),
-        "tokens_per_s_median": medians, "bf16_speed_ratio_median": float(np.median(ratios)),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+        },
+        "target": "smollm2-135m-instruct (bf16, H=576, 30 layers)",
+        "layers": list(layers),
+        "batches": len(batches),
+        "tokens": int(sum(len(s.input_ids) for s in samples)),
+        "tokens_per_s_median": medians,
+        "bf16_speed_ratio_median": float(np.median(ratios)),
         "bytes_per_token": {label(key): b / t for key, (b, t) in sizes.items()},
         "samples_tokens_per_s": {label(key): r for key, r in rates.items()},
     }
     (OUT / "layers.json").write_text(json.dumps(result, indent=2))
-    lines = ["# Multi-layer feature store: featurize cost (`benchmarks/featurize/layers_bench.py`)", "",
-             f"SmolLM2-135M-Instruct bf16, {args.threads} threads, {len(batches)} batches of <= {args.batch_tokens} "
-             f"tokens ({result['tokens']} tokens of {args.conversations} ShareGPT conversations), the four "
-             "featurizers interleaved batch by batch; medians over batches.", "",
-             "| store | dtype | featurize tokens/s | bytes/token on disk |", "|---|---|---:|---:|"]
+    lines = [
+        "# Multi-layer feature store: featurize cost (`benchmarks/featurize/layers_bench.py`)",
+        "",
+        f"SmolLM2-135M-Instruct bf16, {args.threads} threads, {len(batches)} batches of <= {args.batch_tokens} "
+        f"tokens ({result['tokens']} tokens of {args.conversations} ShareGPT conversations), the four "
+        "featurizers interleaved batch by batch; medians over batches.",
+        "",
+        "| store | dtype | featurize tokens/s | bytes/token on disk |",
+        "|---|---|---:|---:|",
+    ]
     for key in featurizers:
-        lines.append(f"| {key[0]} | {key[1]} | {medians[label(key)]:.0f} | {result['bytes_per_token'][label(key)]:.1f} |")
-    lines += ["", f"bf16 featurize speed with layers / without, median of per-batch ratios: "
-              f"{result['bf16_speed_ratio_median']:.3f}."]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {medians[label(key)]:.0f} | {result['bytes_per_token'][label(key)]:.1f} |"
+        )
+    lines += [
+        "",
+        f"bf16 featurize speed with layers / without, median of per-batch ratios: "
+        f"{result['bf16_speed_ratio_median']:.3f}.",
+    ]
     (OUT / "layers.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -36,9 +36,11 @@ DRAFT = "drafts/smollm2-135m-instruct/griffin"
 # (dtype, temperature, trees, HF baseline?, share of the budget). The first tree is "griffin";
 # 16/5/4 is the CPU config's, 60/6/10 EAGLE-2's GPU default, 96/8/12 a deeper, wider one.
 TREES = {"16/5/4": (16, 5, 4), "60/6/10": (60, 6, 10), "96/8/12": (96, 8, 12)}
-PHASES = [("float32", 0.0, ["60/6/10", "16/5/4", "96/8/12"], True, 0.5),
-          ("bfloat16", 0.0, ["60/6/10", "16/5/4"], False, 0.25),
-          ("float32", 1.0, ["60/6/10"], False, 0.25)]
+PHASES = [
+    ("float32", 0.0, ["60/6/10", "16/5/4", "96/8/12"], True, 0.5),
+    ("bfloat16", 0.0, ["60/6/10", "16/5/4"], False, 0.25),
+    ("float32", 1.0, ["60/6/10"], False, 0.25),
+]
 
 
 def tree(name: str) -> TreeConfig:
@@ -58,15 +60,32 @@ def methods_for(target, draft, trees: list[str], with_hf: bool) -> dict:
 
 def rotated(methods: dict, index: int) -> dict:
     names = list(methods)
-    return {name: methods[name] for name in names[index % len(names):] + names[: index % len(names)]}
+    return {name: methods[name] for name in names[index % len(names) :] + names[: index % len(names)]}
 
 
-def run_phase(device: str, dtype: str, temperature: float, trees: list[str], with_hf: bool,
-              questions: dict[str, list[dict]], deadline: float, max_new: int) -> dict:
+def run_phase(
+    device: str,
+    dtype: str,
+    temperature: float,
+    trees: list[str],
+    with_hf: bool,
+    questions: dict[str, list[dict]],
+    deadline: float,
+    max_new: int,
+) -> dict:
     primary = TREES[trees[0]]
-    cfg = load_config(CONFIG, [f"target.device={device}", f"target.dtype={dtype}", f"eval.max_new_tokens={max_new}",
-                               f"decode.tree.total_tokens={primary[0]}", f"decode.tree.depth={primary[1]}",
-                               f"decode.tree.top_k={primary[2]}", "eval.tree=null"])
+    cfg = load_config(
+        CONFIG,
+        [
+            f"target.device={device}",
+            f"target.dtype={dtype}",
+            f"eval.max_new_tokens={max_new}",
+            f"decode.tree.total_tokens={primary[0]}",
+            f"decode.tree.depth={primary[1]}",
+            f"decode.tree.top_k={primary[2]}",
+            "eval.tree=null",
+        ],
+    )
     target = load_target(cfg.target, decoding=True)
     draft = load_draft(DRAFT, target, cfg)
     methods = methods_for(target, draft, trees, with_hf)
@@ -85,17 +104,27 @@ def run_phase(device: str, dtype: str, temperature: float, trees: list[str], wit
     del target, draft
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"dtype": dtype, "temperature": temperature, "trees": {f"griffin_{n}" if i else "griffin": TREES[n]
-                                                                  for i, n in enumerate(trees)},
-            "questions_done": done, "results": report["results"], "records": records}
+    return {
+        "dtype": dtype,
+        "temperature": temperature,
+        "trees": {f"griffin_{n}" if i else "griffin": TREES[n] for i, n in enumerate(trees)},
+        "questions_done": done,
+        "results": report["results"],
+        "records": records,
+    }
 
 
 def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     questions = {name: load_questions(name, args.questions) for name in ("mt_bench", "humaneval")}
-    result = {"hardware": hardware(), "torch": torch.__version__, "max_new_tokens": args.new,
-              "device_name": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "phases": []}
+    result = {
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "max_new_tokens": args.new,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "phases": [],
+    }
     start = time.monotonic()
     for dtype, temperature, trees, with_hf, share in PHASES:
         deadline = time.monotonic() + share * args.budget_s
@@ -112,28 +141,44 @@ def run(args) -> None:
 
 def render(result: dict) -> str:
     """The markdown table: per phase x dataset, each method's tau, median tokens/s and speedups."""
-    lines = [f"# The shipped SmolLM2 GRIFFIN draft on {result['device_name']}", "",
-             f"torch {result['torch']}, {result['max_new_tokens']} new tokens, in-process, evaluation protocol "
-             "(each question turn through every method back to back). Speedups are medians of per-turn ratios.", ""]
+    lines = [
+        f"# The shipped SmolLM2 GRIFFIN draft on {result['device_name']}",
+        "",
+        f"torch {result['torch']}, {result['max_new_tokens']} new tokens, in-process, evaluation protocol "
+        "(each question turn through every method back to back). Speedups are medians of per-turn ratios.",
+        "",
+    ]
     for phase in result["phases"]:
         for key, group in phase["results"].items():
             trees = phase["trees"]
-            lines += [f"## {phase['dtype']}, {key}", "",
-                      "| method | tree | generations | tau | median tokens/s | vs vanilla | T=0 mismatches |",
-                      "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [
+                f"## {phase['dtype']}, {key}",
+                "",
+                "| method | tree | generations | tau | median tokens/s | vs vanilla | T=0 mismatches |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+            ]
             mismatches = Counter(m["method"] for m in group["mismatches"])
             for method, entry in group["methods"].items():
                 shape = "/".join(map(str, trees[method])) if method in trees else "-"
                 tau = f"{entry['tau']:.2f}" if "tau" in entry else "-"
                 speedup = entry.get("speedup_vs_vanilla")
-                lines.append(f"| {method} | {shape} | {entry['generations']} | {tau} | {entry['tokens_per_s_median']:.1f} "
-                             f"| {f'{speedup:.2f}x' if speedup else '-'} | {mismatches.get(method, 0)} |")
+                lines.append(
+                    f"| {method} | {shape} | {entry['generations']} | {tau} | {entry['tokens_per_s_median']:.1f} "
+                    f"| {f'{speedup:.2f}x' if speedup else '-'} | {mismatches.get(method, 0)} |"
+                )
             if "hf_generate" in group["speedup"]:
-                lines += ["", f"GRIFFIN ({'/'.join(map(str, trees['griffin']))}) over HF generate: "
-                          f"{group['speedup']['hf_generate']:.2f}x"]
+                lines += [
+                    "",
+                    f"GRIFFIN ({'/'.join(map(str, trees['griffin']))}) over HF generate: "
+                    f"{group['speedup']['hf_generate']:.2f}x",
+                ]
             ties = [m for m in group["mismatches"] if m["near_tie"]]
-            lines += ["", f"Mismatches at near-ties: {len(ties)} of {len(group['mismatches'])}"
-                      + (f" (largest gap {max(m['gap'] for m in ties):.3f})" if ties else ""), ""]
+            lines += [
+                "",
+                f"Mismatches at near-ties: {len(ties)} of {len(group['mismatches'])}"
+                + (f" (largest gap {max(m['gap'] for m in ties):.3f})" if ties else ""),
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -150,13 +195,21 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True)
     for ax, (title, group) in zip(axes, panels):
         names = list(group["methods"])
-        ax.bar(range(len(names)), [group["methods"][m]["tokens_per_s_median"] for m in names],
-               color=[colours[m] for m in names])
+        ax.bar(
+            range(len(names)),
+            [group["methods"][m]["tokens_per_s_median"] for m in names],
+            color=[colours[m] for m in names],
+        )
         ax.set_xticks([])
         ax.set_title(title, fontsize=9)
     axes[0].set_ylabel("median tokens/s")
-    fig.legend([plt.Rectangle((0, 0), 1, 1, color=colours[m]) for m in methods], methods,
-               loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=colours[m]) for m in methods],
+        methods,
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+        fontsize=8,
+    )
     fig.suptitle(f"Shipped SmolLM2 GRIFFIN draft on {result['device_name']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -22,9 +22,17 @@ from griffin.decode import speculative_generate, vanilla_generate
 from griffin.model import GriffinDraft
 from pipeline.resources.targets import build_tiny_target
 
-SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-           "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
-           "rms_norm_eps": 1e-5}
+SMOLLM2 = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -40,9 +48,11 @@ def one_rep(target, draft, ids, new: int) -> dict[str, float]:
     greedy, tree = SamplingConfig(), TreeConfig(total_tokens=60, depth=6, top_k=10)
     vanilla = vanilla_generate(target, ids, greedy, new, stop_token_ids=[]).stats
     spec = speculative_generate(target, draft, ids, tree, greedy, new, stop_token_ids=[]).stats
-    return {"vanilla_ms_per_step": 1e3 * vanilla.verify_time / vanilla.rounds,
-            "draft_ms_per_round": 1e3 * spec.draft_time / spec.rounds,
-            "verify_ms_per_round": 1e3 * spec.verify_time / spec.rounds}
+    return {
+        "vanilla_ms_per_step": 1e3 * vanilla.verify_time / vanilla.rounds,
+        "draft_ms_per_round": 1e3 * spec.draft_time / spec.rounds,
+        "verify_ms_per_round": 1e3 * spec.verify_time / spec.rounds,
+    }
 
 
 def profile_table(target, ids) -> str:
@@ -75,12 +85,18 @@ def main() -> None:
     for _ in range(args.reps):
         for name, (target, draft) in models.items():
             samples[name].append(one_rep(target, draft, ids, args.new))
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-              "torch": torch.__version__, "shape": SMOLLM2, "samples": samples,
-              "placement": {name: sorted({f"{p.device}/{p.dtype}" for p in t.model.parameters()})
-                            for name, (t, _) in models.items()},
-              "median": {name: {key: round(median(s[key] for s in runs), 2) for key in runs[0]}
-                         for name, runs in samples.items()}}
+    result = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "torch": torch.__version__,
+        "shape": SMOLLM2,
+        "samples": samples,
+        "placement": {
+            name: sorted({f"{p.device}/{p.dtype}" for p in t.model.parameters()}) for name, (t, _) in models.items()
+        },
+        "median": {
+            name: {key: round(median(s[key] for s in runs), 2) for key in runs[0]} for name, runs in samples.items()
+        },
+    }
     (out / "gpu_dtype.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({"placement": result["placement"], "median": result["median"]}, indent=1), flush=True)
     tables = [f"## {name}\n{profile_table(target, ids)}" for name, (target, _) in models.items()]

@@ -21,9 +21,15 @@ SINGLE_LAYER, MULTI_LAYER = ("griffin", "hass", "eagle"), ("eagle3", "griffin3")
 BASELINES = {"hf_generate": "HF generate", "hf_prompt_lookup": "HF prompt lookup"}
 DATASETS = {"mt_bench": "MT-Bench", "humaneval": "HumanEval"}
 # the drafts issue's goals (GRIFFIN's τ on MT-Bench at T=0; speedups are means over the datasets)
-GOALS = {"tau_mt_bench_T0": 2.6, "speedup_vs_vanilla_T0": 2.0, "speedup_vs_hf_generate_T0": 2.6,
-         "tau_vs_hass": 1.05, "tau_vs_eagle": 1.12, "speedup_vs_vanilla_T1": 1.5,
-         "tau_multi_layer_vs_single_T0": 1.15}  # the EAGLE-3 issue's: best of EAGLE-3/GRIFFIN-3 over best of the rest
+GOALS = {
+    "tau_mt_bench_T0": 2.6,
+    "speedup_vs_vanilla_T0": 2.0,
+    "speedup_vs_hf_generate_T0": 2.6,
+    "tau_vs_hass": 1.05,
+    "tau_vs_eagle": 1.12,
+    "speedup_vs_vanilla_T1": 1.5,
+    "tau_multi_layer_vs_single_T0": 1.15,
+}  # the EAGLE-3 issue's: best of EAGLE-3/GRIFFIN-3 over best of the rest
 
 
 def _load(path: Path) -> dict:
@@ -37,8 +43,13 @@ def _training(run_dir: Path) -> list[dict]:
     for done in sorted((run_dir / "train").glob("stage*/_complete.json")):
         summary = json.loads(done.read_text())
         metrics = summary["best_metrics"]
-        stages.append({"stage": summary["stage"], "best": summary["best"],
-                       **{k: metrics.get(k) for k in ("eval/sim_accept_len", "eval/acc_0", "eval/acc_1", "train/loss")}})
+        stages.append(
+            {
+                "stage": summary["stage"],
+                "best": summary["best"],
+                **{k: metrics.get(k) for k in ("eval/sim_accept_len", "eval/acc_0", "eval/acc_1", "train/loss")},
+            }
+        )
     return stages
 
 
@@ -51,21 +62,38 @@ def collect(name: str) -> dict:
     rows = {}
     for key, result in report["results"].items():  # "mt_bench/T0"
         methods, vanilla = result["methods"], result["methods"]["vanilla"]["tokens_per_s_median"]
-        rows[key] = {m: {"tau": e.get("tau"), "tokens_per_s": e["tokens_per_s_median"],
-                         "speedup_vs_vanilla": e["tokens_per_s_median"] / vanilla,
-                         "generations": e["generations"], "draft_ms_per_round": e.get("draft_ms_per_round"),
-                         "verify_ms_per_round": e.get("verify_ms_per_round")} for m, e in methods.items()}
+        rows[key] = {
+            m: {
+                "tau": e.get("tau"),
+                "tokens_per_s": e["tokens_per_s_median"],
+                "speedup_vs_vanilla": e["tokens_per_s_median"] / vanilla,
+                "generations": e["generations"],
+                "draft_ms_per_round": e.get("draft_ms_per_round"),
+                "verify_ms_per_round": e.get("verify_ms_per_round"),
+            }
+            for m, e in methods.items()
+        }
         rows[key]["griffin"]["speedup_vs_hf_generate"] = result["speedup"].get("hf_generate")
         rows[key]["violations"] = sum(1 for m in result["mismatches"] if not m["near_tie"])
         rows[key]["near_ties"] = sum(1 for m in result["mismatches"] if m["near_tie"])
-    return {"target": report["target"], "tree": report["tree"], "hardware": report["hardware"],
-            "eval": {k: report["config"]["eval"][k] for k in ("datasets", "num_questions", "temperatures",
-                                                              "max_new_tokens", "baselines")},
-            "data": {"conversations": manifest["totals"]["rows"], "tokens": manifest["totals"]["tokens"],
-                     "max_len": report["config"]["data"]["max_len"]},
-            "training": {v: _training(outputs / f"{name}-{v}") for v in DRAFTS if (outputs / f"{name}-{v}").is_dir()},
-            "tune_tree": {k: tune[k] for k in ("best", "expected_speedup", "verify_ms_by_tokens", "vanilla_tokens_per_s")},
-            "results": rows, "goals": goals(rows)}
+    return {
+        "target": report["target"],
+        "tree": report["tree"],
+        "hardware": report["hardware"],
+        "eval": {
+            k: report["config"]["eval"][k]
+            for k in ("datasets", "num_questions", "temperatures", "max_new_tokens", "baselines")
+        },
+        "data": {
+            "conversations": manifest["totals"]["rows"],
+            "tokens": manifest["totals"]["tokens"],
+            "max_len": report["config"]["data"]["max_len"],
+        },
+        "training": {v: _training(outputs / f"{name}-{v}") for v in DRAFTS if (outputs / f"{name}-{v}").is_dir()},
+        "tune_tree": {k: tune[k] for k in ("best", "expected_speedup", "verify_ms_by_tokens", "vanilla_tokens_per_s")},
+        "results": rows,
+        "goals": goals(rows),
+    }
 
 
 def _mean(values: list[float]) -> float:
@@ -77,7 +105,9 @@ def goals(rows: dict) -> dict:
         return _mean([r[method][field] for k, r in rows.items() if k.endswith(temperature) and r[method].get(field)])
 
     def tau_ratio(other: str) -> float:  # nan while that draft is not in the evaluation
-        return _mean([r["griffin"]["tau"] / r[other]["tau"] for k, r in rows.items() if k.endswith("/T0") and other in r])
+        return _mean(
+            [r["griffin"]["tau"] / r[other]["tau"] for k, r in rows.items() if k.endswith("/T0") and other in r]
+        )
 
     def best_ratio(these: tuple[str, ...], those: tuple[str, ...]) -> float:
         ratios = []
@@ -87,31 +117,44 @@ def goals(rows: dict) -> dict:
                 ratios.append(max(mine) / max(theirs))
         return _mean(ratios)
 
-    measured = {"tau_mt_bench_T0": rows.get("mt_bench/T0", {}).get("griffin", {}).get("tau", float("nan")),
-                "speedup_vs_vanilla_T0": over("/T0", "speedup_vs_vanilla"),
-                "speedup_vs_hf_generate_T0": over("/T0", "speedup_vs_hf_generate"),
-                "tau_vs_hass": tau_ratio("hass"), "tau_vs_eagle": tau_ratio("eagle"),
-                "speedup_vs_vanilla_T1": over("/T1", "speedup_vs_vanilla"),
-                "tau_multi_layer_vs_single_T0": best_ratio(MULTI_LAYER, SINGLE_LAYER)}
+    measured = {
+        "tau_mt_bench_T0": rows.get("mt_bench/T0", {}).get("griffin", {}).get("tau", float("nan")),
+        "speedup_vs_vanilla_T0": over("/T0", "speedup_vs_vanilla"),
+        "speedup_vs_hf_generate_T0": over("/T0", "speedup_vs_hf_generate"),
+        "tau_vs_hass": tau_ratio("hass"),
+        "tau_vs_eagle": tau_ratio("eagle"),
+        "speedup_vs_vanilla_T1": over("/T1", "speedup_vs_vanilla"),
+        "tau_multi_layer_vs_single_T0": best_ratio(MULTI_LAYER, SINGLE_LAYER),
+    }
     prompt_lookup = over("/T0", "speedup_vs_vanilla", "hf_prompt_lookup")
     result = {k: {"goal": GOALS[k], "measured": v, "met": v >= GOALS[k]} for k, v in measured.items()}
-    result["ahead_of_prompt_lookup_T0"] = {"goal": prompt_lookup, "measured": measured["speedup_vs_vanilla_T0"],
-                                           "met": measured["speedup_vs_vanilla_T0"] > prompt_lookup}
+    result["ahead_of_prompt_lookup_T0"] = {
+        "goal": prompt_lookup,
+        "measured": measured["speedup_vs_vanilla_T0"],
+        "met": measured["speedup_vs_vanilla_T0"] > prompt_lookup,
+    }
     return result
 
 
 def markdown(data: dict) -> str:
-    lines = [f"Target {data['target']}; tree {data['tree']} (picked by `griffin tune-tree`); "
-             f"{data['data']['conversations']} ShareGPT conversations, {data['data']['tokens']:,} tokens "
-             f"(max_len {data['data']['max_len']}); {data['eval']['num_questions']} questions per dataset "
-             f"(MT-Bench: both turns), {data['eval']['max_new_tokens']} new tokens, batch 1.", ""]
+    lines = [
+        f"Target {data['target']}; tree {data['tree']} (picked by `griffin tune-tree`); "
+        f"{data['data']['conversations']} ShareGPT conversations, {data['data']['tokens']:,} tokens "
+        f"(max_len {data['data']['max_len']}); {data['eval']['num_questions']} questions per dataset "
+        f"(MT-Bench: both turns), {data['eval']['max_new_tokens']} new tokens, batch 1.",
+        "",
+    ]
     temperatures = sorted({key.split("/")[1] for key in data["results"]})
     datasets = [d for d in DATASETS if any(k.startswith(d + "/") for k in data["results"])]
     for temperature in temperatures:
         header = " | ".join(f"{DATASETS[d]} speedup | {DATASETS[d]} τ" for d in datasets)
-        lines += [f"**T = {temperature[1:]}** (speedup = median tokens/s over vanilla decoding in the same "
-                  "implementation; τ = tokens per target pass)", "",
-                  f"| method | {header} | mean speedup | mean τ |", "|---" * (3 + 2 * len(datasets)) + "|"]
+        lines += [
+            f"**T = {temperature[1:]}** (speedup = median tokens/s over vanilla decoding in the same "
+            "implementation; τ = tokens per target pass)",
+            "",
+            f"| method | {header} | mean speedup | mean τ |",
+            "|---" * (3 + 2 * len(datasets)) + "|",
+        ]
         evaluated = {m for d in datasets for m in data["results"][f"{d}/{temperature}"]}
         for method, label in {m: lab for m, lab in {**BASELINES, **DRAFTS}.items() if m in evaluated}.items():
             cells, speedups, taus = [], [], []
@@ -127,24 +170,33 @@ def markdown(data: dict) -> str:
                 cells.append(f"{row['tau']:.2f}" if row["tau"] is not None else "-")
             mean_tau = f"{_mean(taus):.2f}" if taus else "-"
             lines.append(f"| {label} | {' | '.join(cells)} | {_mean(speedups):.2f}x | {mean_tau} |")
-        vanilla = " / ".join(f"{data['results'][f'{d}/{temperature}']['vanilla']['tokens_per_s']:.1f}" for d in datasets)
+        vanilla = " / ".join(
+            f"{data['results'][f'{d}/{temperature}']['vanilla']['tokens_per_s']:.1f}" for d in datasets
+        )
         lines += ["", f"Vanilla tokens/s ({' / '.join(DATASETS[d] for d in datasets)}): {vanilla}."]
         costs = []  # drafts timed in-process on every dataset
         for method, label in DRAFTS.items():
             timed = [data["results"][f"{d}/{temperature}"].get(method) for d in datasets]
             if all(row and row.get("draft_ms_per_round") is not None for row in timed):
-                costs.append(f"{label} " + " / ".join(f"{row['draft_ms_per_round']:.1f} + {row['verify_ms_per_round']:.1f}"
-                                                      for row in timed))
+                costs.append(
+                    f"{label} "
+                    + " / ".join(f"{row['draft_ms_per_round']:.1f} + {row['verify_ms_per_round']:.1f}" for row in timed)
+                )
         if costs:
-            lines += ["", f"Draft + verify ms per round ({' / '.join(DATASETS[d] for d in datasets)}): "
-                      + "; ".join(costs) + "."]
+            lines += [
+                "",
+                f"Draft + verify ms per round ({' / '.join(DATASETS[d] for d in datasets)}): " + "; ".join(costs) + ".",
+            ]
         lines += [""]
     lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
     for name, goal in data["goals"].items():
         met = "not measured" if goal["measured"] != goal["measured"] else "yes" if goal["met"] else "NO"
         lines.append(f"| {name} | {goal['goal']:.2f} | {goal['measured']:.2f} | {met} |")
-    checks = [f"{k}: {r['violations']} violations, {r['near_ties']} bf16 near-tie divergences"
-              for k, r in data["results"].items() if k.endswith("/T0")]
+    checks = [
+        f"{k}: {r['violations']} violations, {r['near_ties']} bf16 near-tie divergences"
+        for k, r in data["results"].items()
+        if k.endswith("/T0")
+    ]
     lines += ["", "T=0 losslessness (speculative vs vanilla, every draft): " + "; ".join(checks) + "."]
     return "\n".join(lines) + "\n"
 
@@ -178,8 +230,13 @@ def chart(data: dict, path: Path) -> None:
     right.set(ylabel="τ (tokens per target pass)", title="acceptance length")
     from matplotlib.patches import Patch
 
-    figure.legend(handles=[Patch(color=colour[m], label=label) for m, label in methods.items()],
-                  loc="lower center", ncol=len(methods), fontsize="small", frameon=False)
+    figure.legend(
+        handles=[Patch(color=colour[m], label=label) for m, label in methods.items()],
+        loc="lower center",
+        ncol=len(methods),
+        fontsize="small",
+        frameon=False,
+    )
     figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(path, dpi=110)
 

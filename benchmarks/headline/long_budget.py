@@ -59,21 +59,34 @@ def main() -> None:
     for variant, points in curves.items():
         shared = [(s, v) for s, v in points if s in griffin]
         final_step, final = points[-1] if points else (None, None)
-        rows.append({"variant": variant, "final_step": final_step, "final": final,
-                     "griffin_over_it_at_equal_steps": {s: griffin[s] / v for s, v in shared if v} if variant != "griffin" else {},
-                     "curve": points})
+        rows.append(
+            {
+                "variant": variant,
+                "final_step": final_step,
+                "final": final,
+                "griffin_over_it_at_equal_steps": {s: griffin[s] / v for s, v in shared if v}
+                if variant != "griffin"
+                else {},
+                "curve": points,
+            }
+        )
     OUT.mkdir(exist_ok=True)
     (OUT / "long_budget.json").write_text(json.dumps({"config": name, "metric": METRIC, "rows": rows}, indent=2))
-    lines = [f"Held-out expected accepted tokens per draft step chain ({METRIC}) on `{name}`'s held-out split, "
-             "measured at every checkpoint; GRIFFIN / X at the same optimizer step.", "",
-             "| draft | steps | final held-out | GRIFFIN / it at steps 1000 / 2000 / 4000 / 4150 (mean over shared steps) |",
-             "|---|---|---|---|"]
+    lines = [
+        f"Held-out expected accepted tokens per draft step chain ({METRIC}) on `{name}`'s held-out split, "
+        "measured at every checkpoint; GRIFFIN / X at the same optimizer step.",
+        "",
+        "| draft | steps | final held-out | GRIFFIN / it at steps 1000 / 2000 / 4000 / 4150 (mean over shared steps) |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
         ratios = {int(s): r for s, r in row["griffin_over_it_at_equal_steps"].items()}
         shown = " / ".join(f"{ratios[s]:.2f}" if s in ratios else "-" for s in (1000, 2000, 4000, 4150))
         mean = f" ({sum(ratios.values()) / len(ratios):.2f})" if ratios else ""
-        lines.append(f"| {LABELS[row['variant']]} | {row['final_step']} | {row['final']:.3f} | "
-                     f"{shown if ratios else '-'}{mean} |")
+        lines.append(
+            f"| {LABELS[row['variant']]} | {row['final_step']} | {row['final']:.3f} | "
+            f"{shown if ratios else '-'}{mean} |"
+        )
     (OUT / "long_budget.md").write_text("\n".join(lines) + "\n")
     chart(curves, OUT / "long_budget.png")
     print("\n".join(lines))
@@ -86,8 +99,11 @@ def chart(curves: dict, path: Path) -> None:
     axes = figure.subplots()
     for variant, points in curves.items():
         axes.plot([s for s, _ in points], [v for _, v in points], marker=".", label=LABELS[variant])
-    axes.set(xlabel="optimizer step (all stages)", ylabel="held-out expected accepted tokens",
-             title="SmolLM2-135M drafts, same data and steps")
+    axes.set(
+        xlabel="optimizer step (all stages)",
+        ylabel="held-out expected accepted tokens",
+        title="SmolLM2-135M drafts, same data and steps",
+    )
     axes.legend()
     axes.grid(alpha=0.3)
     figure.tight_layout()

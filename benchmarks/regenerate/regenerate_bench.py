@@ -38,13 +38,22 @@ def bare_generate(regenerator: Regenerator, questions: list[str], batch_size: in
     tokenizer.padding_side = "left"
     tokens = 0
     for start in range(0, len(questions), batch_size):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                               add_generation_prompt=True) for q in questions[start: start + batch_size]]
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions[start : start + batch_size]
+        ]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=max_new, do_sample=False, temperature=None, top_p=None,
-                                 top_k=None, eos_token_id=regenerator.stop_ids,
-                                 pad_token_id=regenerator.pad_id)[:, batch["input_ids"].shape[1]:]
+            out = model.generate(
+                **batch,
+                max_new_tokens=max_new,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=regenerator.stop_ids,
+                pad_token_id=regenerator.pad_id,
+            )[:, batch["input_ids"].shape[1] :]
         for row in out.tolist():
             stops = [i for i, t in enumerate(row) if t in regenerator.stop_ids]
             tokens += stops[0] + 1 if stops else len(row)
@@ -61,10 +70,13 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = load_config(CONFIG, [f"data.limit={args.conversations}"])
     conversations = load_conversations(cfg.data, Ledger())
-    questions = [c.messages[0]["content"] if c.messages[0]["role"] == "user" else c.messages[1]["content"]
-                 for c in conversations]
-    regenerator = Regenerator(cfg.target.model_dump(), {"temperature": 0.0, "top_p": 1.0, "batch_size": 1,
-                                                        "max_new_tokens": args.max_new_tokens, "max_len": 100_000})
+    questions = [
+        c.messages[0]["content"] if c.messages[0]["role"] == "user" else c.messages[1]["content"] for c in conversations
+    ]
+    regenerator = Regenerator(
+        cfg.target.model_dump(),
+        {"temperature": 0.0, "top_p": 1.0, "batch_size": 1, "max_new_tokens": args.max_new_tokens, "max_len": 100_000},
+    )
     single_turns = [[{"role": "user", "content": q}] for q in questions]
     bare_generate(regenerator, questions[:2], 2, 8)  # warm-up
     rows = []
@@ -79,21 +91,41 @@ def main() -> None:
             _, generated, _ = regenerator.answer(single_turns)
             samples["ours"].append(sum(generated) / (time.perf_counter() - start))
         ratios = [o / b for o, b in zip(samples["ours"], samples["bare"])]
-        rows.append({"batch_size": batch_size, "bare_tokens_per_s": statistics.median(samples["bare"]),
-                     "ours_tokens_per_s": statistics.median(samples["ours"]), "ratio": statistics.median(ratios),
-                     "samples": samples})
+        rows.append(
+            {
+                "batch_size": batch_size,
+                "bare_tokens_per_s": statistics.median(samples["bare"]),
+                "ours_tokens_per_s": statistics.median(samples["ours"]),
+                "ratio": statistics.median(ratios),
+                "samples": samples,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    result = {"target": cfg.target.name, "dtype": str(regenerator.target.dtype), "threads": torch.get_num_threads(),
-              "conversations": len(questions), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "machine": platform.processor() or platform.machine(), "rows": rows}
+    result = {
+        "target": cfg.target.name,
+        "dtype": str(regenerator.target.dtype),
+        "threads": torch.get_num_threads(),
+        "conversations": len(questions),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
     (OUT / "regenerate.json").write_text(json.dumps(result, indent=2))
-    lines = [f"# `griffin regenerate` generation vs bare batched HF generate ({cfg.target.name}, "
-             f"{result['dtype']}, {result['threads']} threads)", "",
-             f"{len(questions)} ShareGPT first turns, greedy, {args.max_new_tokens} new tokens at most, "
-             f"{args.repeats} interleaved repeats, medians.", "",
-             "| batch size | bare HF generate, tokens/s | ours, tokens/s | ours / bare |", "|---:|---:|---:|---:|"]
-    lines += [f"| {r['batch_size']} | {r['bare_tokens_per_s']:.0f} | {r['ours_tokens_per_s']:.0f} | {r['ratio']:.2f}x |"
-              for r in rows]
+    lines = [
+        f"# `griffin regenerate` generation vs bare batched HF generate ({cfg.target.name}, "
+        f"{result['dtype']}, {result['threads']} threads)",
+        "",
+        f"{len(questions)} ShareGPT first turns, greedy, {args.max_new_tokens} new tokens at most, "
+        f"{args.repeats} interleaved repeats, medians.",
+        "",
+        "| batch size | bare HF generate, tokens/s | ours, tokens/s | ours / bare |",
+        "|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['batch_size']} | {r['bare_tokens_per_s']:.0f} | {r['ours_tokens_per_s']:.0f} | {r['ratio']:.2f}x |"
+        for r in rows
+    ]
     (OUT / "regenerate.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

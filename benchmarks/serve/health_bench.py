@@ -46,8 +46,12 @@ def poll(url: str, seconds: float) -> list[float]:
 
 
 def stream_forever(url: str, stop: threading.Event, counts: dict[str, int]) -> None:
-    body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
-            "max_tokens": 256, "temperature": 0.0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "stream": True,
+    }
     with httpx.Client(base_url=url, timeout=300) as client:
         while not stop.is_set():
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -62,8 +66,9 @@ def upload_forever(url: str, stop: threading.Event, counts: dict[str, int], paus
     with httpx.Client(base_url=url, timeout=300) as client:
         while not stop.is_set():
             try:
-                status = client.post("/v1/chat/completions", content=blob,
-                                     headers={"Content-Type": "application/json"}).status_code
+                status = client.post(
+                    "/v1/chat/completions", content=blob, headers={"Content-Type": "application/json"}
+                ).status_code
             except httpx.HTTPError as error:  # the server may close the connection after its 413
                 status = type(error).__name__
             counts[f"upload {status}"] = counts.get(f"upload {status}", 0) + 1
@@ -83,8 +88,15 @@ def phase(url: str, seconds: float, streams: int, upload_pause_s: float | None) 
     for worker in workers:
         worker.join()
     ms = np.asarray(latencies) * 1e3
-    return {"streams": streams, "upload_pause_s": upload_pause_s, "samples": len(ms), "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "responses": counts}
+    return {
+        "streams": streams,
+        "upload_pause_s": upload_pause_s,
+        "samples": len(ms),
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+        "responses": counts,
+    }
 
 
 def main() -> None:
@@ -94,24 +106,42 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = load_config(args.config, ["serve.draft_uri=drafts/smollm2-135m-instruct/griffin", "serve.port=8431",
-                                    f"serve.max_ongoing_requests={args.streams + 2}", *args.overrides])
+    cfg = load_config(
+        args.config,
+        [
+            "serve.draft_uri=drafts/smollm2-135m-instruct/griffin",
+            "serve.port=8431",
+            f"serve.max_ongoing_requests={args.streams + 2}",
+            *args.overrides,
+        ],
+    )
     url = start_serve(cfg)
     try:
-        rows = [phase(url, args.seconds, 0, None), phase(url, args.seconds, args.streams, None),
-                phase(url, args.seconds, args.streams, 1.0), phase(url, args.seconds, args.streams, 0.0)]
+        rows = [
+            phase(url, args.seconds, 0, None),
+            phase(url, args.seconds, args.streams, None),
+            phase(url, args.seconds, args.streams, 1.0),
+            phase(url, args.seconds, args.streams, 0.0),
+        ]
     finally:
         stop_serve()
     result = {"config": args.config, "draft": cfg.serve.draft_uri, "seconds_per_phase": args.seconds, "rows": rows}
     (OUT / "health.json").write_text(json.dumps(result, indent=2))
-    lines = [f"# /health latency under load ({Path(args.config).name}, draft {cfg.serve.draft_uri})", "",
-             f"GET /health every 50 ms for {args.seconds:.0f} s per phase; client-side wall time.", "",
-             "| in flight | probes | p50 ms | p99 ms | max ms | other responses |", "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# /health latency under load ({Path(args.config).name}, draft {cfg.serve.draft_uri})",
+        "",
+        f"GET /health every 50 ms for {args.seconds:.0f} s per phase; client-side wall time.",
+        "",
+        "| in flight | probes | p50 ms | p99 ms | max ms | other responses |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for row in rows:
         bodies = {None: "", 1.0: " + a 48 MB body a second", 0.0: " + 48 MB bodies back to back"}
         load = "nothing" if not row["streams"] else f"{row['streams']} long streams" + bodies[row["upload_pause_s"]]
-        lines.append(f"| {load} | {row['samples']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} | "
-                     f"{row['responses']} |")
+        lines.append(
+            f"| {load} | {row['samples']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {row['max_ms']:.1f} | "
+            f"{row['responses']} |"
+        )
     (OUT / "health.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

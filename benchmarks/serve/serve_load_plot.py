@@ -14,8 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-PANELS = (("latency_p50_s", "p50 latency, s"), ("ttft_p50_s", "p50 time to first token, s"),
-          ("tokens_per_s", "completion tokens/s"), ("shed_rate", "shed rate (503 + Retry-After)"))
+PANELS = (
+    ("latency_p50_s", "p50 latency, s"),
+    ("ttft_p50_s", "p50 time to first token, s"),
+    ("tokens_per_s", "completion tokens/s"),
+    ("shed_rate", "shed rate (503 + Retry-After)"),
+)
 
 
 def plot(result_path: Path) -> Path:
@@ -29,13 +33,20 @@ def plot(result_path: Path) -> Path:
     for axes, (key, title) in zip(figure.subplots(1, len(PANELS)), PANELS):
         for mode in modes:
             rows = [level for level in levels if level["mode"] == mode]
-            axes.plot([r["concurrency"] for r in rows], [r[key] or 0.0 for r in rows], marker="o",
-                      color=colour[mode], label=mode)
+            axes.plot(
+                [r["concurrency"] for r in rows],
+                [r[key] or 0.0 for r in rows],
+                marker="o",
+                color=colour[mode],
+                label=mode,
+            )
         axes.set_title(title, fontsize=9)
         axes.set_xlabel("concurrent clients")
         axes.set_xscale("log", base=2)
-        axes.set_xticks([r["concurrency"] for r in levels[:len(levels) // len(modes)]],
-                        labels=[str(r["concurrency"]) for r in levels[:len(levels) // len(modes)]])
+        axes.set_xticks(
+            [r["concurrency"] for r in levels[: len(levels) // len(modes)]],
+            labels=[str(r["concurrency"]) for r in levels[: len(levels) // len(modes)]],
+        )
     figure.legend(*figure.axes[0].get_legend_handles_labels(), loc="outside right center")
     out = result_path.with_suffix(".png")
     figure.savefig(out, dpi=110)

@@ -63,8 +63,12 @@ L3 = {"H": 4096, "I": 11008, "heads": 32, "V": 128256, "T": 2048, "P": 416_301_0
 
 # ---- set-up --------------------------------------------------------------------------------
 def overrides(args) -> list[str]:
-    return [f"output_dir={args.work}", "run_name=trainbench", f"data.limit={args.conversations}",
-            f"data.max_len={args.max_len}"]
+    return [
+        f"output_dir={args.work}",
+        "run_name=trainbench",
+        f"data.limit={args.conversations}",
+        f"data.max_len={args.max_len}",
+    ]
 
 
 def build_store(cfg, reuse: bool) -> dict:
@@ -105,8 +109,9 @@ class Trainer:
     def step(self, batch) -> tuple[float, int]:
         generator = torch.Generator().manual_seed(self.steps)
         start = time.perf_counter()
-        metrics = train_step(self.draft, self.draft, [batch], self.optimizer, self.scheduler, self.method,
-                             bf16=True, generator=generator)
+        metrics = train_step(
+            self.draft, self.draft, [batch], self.optimizer, self.scheduler, self.method, bf16=True, generator=generator
+        )
         self.steps += 1
         return time.perf_counter() - start, int(metrics["tokens"])
 
@@ -121,16 +126,26 @@ def timing(trainers: dict, batches: list, args) -> dict:
     while rounds < args.rounds:
         round_start = time.perf_counter()
         batch = batches[1 + rounds % (len(batches) - 1)]
-        order = names[rounds % len(names):] + names[: rounds % len(names)]
+        order = names[rounds % len(names) :] + names[: rounds % len(names)]
         for name in order:
             seconds, tokens = trainers[name].step(batch)
-            samples[name].append({"round": rounds, "seconds": seconds, "tokens": tokens,
-                                  "padded_tokens": int(batch.tokens.numel()), "tokens_s": tokens / seconds})
+            samples[name].append(
+                {
+                    "round": rounds,
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "padded_tokens": int(batch.tokens.numel()),
+                    "tokens_s": tokens / seconds,
+                }
+            )
         rounds += 1
         round_s = time.perf_counter() - round_start
         elapsed = time.perf_counter() - start
-        print(f"round {rounds}: {round_s:.0f} s ({elapsed:.0f} s so far); " + ", ".join(
-            f"{n} {samples[n][-1]['tokens_s']:.0f}" for n in names), flush=True)
+        print(
+            f"round {rounds}: {round_s:.0f} s ({elapsed:.0f} s so far); "
+            + ", ".join(f"{n} {samples[n][-1]['tokens_s']:.0f}" for n in names),
+            flush=True,
+        )
         if rounds >= args.min_rounds and elapsed + round_s > args.time_budget:
             break
     return {"rounds": rounds, "samples": samples}
@@ -151,9 +166,13 @@ def summarize(samples: dict, full_vocab: int, reduced: int) -> dict:
         }
     for stage in STAGES[1:]:
         for vocab in ("full", "reduced"):
-            per_round = [a["seconds"] / b["seconds"] for a, b in zip(
-                samples[config_name(stage, full_vocab if vocab == "full" else reduced)],
-                samples[config_name(1, full_vocab if vocab == "full" else reduced)])]
+            per_round = [
+                a["seconds"] / b["seconds"]
+                for a, b in zip(
+                    samples[config_name(stage, full_vocab if vocab == "full" else reduced)],
+                    samples[config_name(1, full_vocab if vocab == "full" else reduced)],
+                )
+            ]
             out[stage][f"{vocab}_step_over_stage1_median"] = statistics.median(per_round)
     return out
 
@@ -177,8 +196,13 @@ def profile_split(trainer: Trainer, batch, vocab: int) -> dict:
         ops[key] = ops.get(key, 0.0) + event.self_cpu_time_total
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
     total = vocab_us + rest_us
-    return {"step_s_profiled": seconds, "vocab_sized_fraction": vocab_us / total, "vocab_sized_ms": vocab_us / 1e3,
-            "other_ms": rest_us / 1e3, "top_ops_ms": {k: v / 1e3 for k, v in top}}
+    return {
+        "step_s_profiled": seconds,
+        "vocab_sized_fraction": vocab_us / total,
+        "vocab_sized_ms": vocab_us / 1e3,
+        "other_ms": rest_us / 1e3,
+        "top_ops_ms": {k: v / 1e3 for k, v in top},
+    }
 
 
 # ---- memory (fresh process per configuration) ----------------------------------------------
@@ -216,14 +240,24 @@ def memory_child(args_dict: dict, stage: int, d2t: list[int] | None, batch_index
     _reset_peak()
     trainer.step(batch)
     second = _proc_status()
-    queue.put({"setup_rss": setup_rss, "ru_maxrss_after_setup": setup_maxrss, "ru_maxrss_after_step1": first_maxrss,
-               "ru_maxrss_after_step2": _maxrss(), "peak_reset_ok": can_reset,
-               "step1_peak_rss": first["VmHWM"], "rss_after_step1": first["VmRSS"],
-               "step2_peak_rss": second["VmHWM"], "rss_after_step2": second["VmRSS"],
-               "step1_peak_above_setup": first["VmHWM"] - setup_rss, "step2_peak_above_setup": second["VmHWM"] - setup_rss,
-               "trainable_params": count_trainable(trainer.draft),
-               "frozen_buffers_bytes": sum(b.numel() * b.element_size() for b in trainer.draft.buffers()),
-               "frozen_buffer_dtype": str(trainer.draft.head_weight.dtype)})
+    queue.put(
+        {
+            "setup_rss": setup_rss,
+            "ru_maxrss_after_setup": setup_maxrss,
+            "ru_maxrss_after_step1": first_maxrss,
+            "ru_maxrss_after_step2": _maxrss(),
+            "peak_reset_ok": can_reset,
+            "step1_peak_rss": first["VmHWM"],
+            "rss_after_step1": first["VmRSS"],
+            "step2_peak_rss": second["VmHWM"],
+            "rss_after_step2": second["VmRSS"],
+            "step1_peak_above_setup": first["VmHWM"] - setup_rss,
+            "step2_peak_above_setup": second["VmHWM"] - setup_rss,
+            "trainable_params": count_trainable(trainer.draft),
+            "frozen_buffers_bytes": sum(b.numel() * b.element_size() for b in trainer.draft.buffers()),
+            "frozen_buffer_dtype": str(trainer.draft.head_weight.dtype),
+        }
+    )
 
 
 def memory(args, d2t: list[int], batch_index: int, full_vocab: int) -> dict:
@@ -240,11 +274,16 @@ def memory(args, d2t: list[int], batch_index: int, full_vocab: int) -> dict:
                     break
                 except Empty:
                     if not proc.is_alive():
-                        raise RuntimeError(f"memory child for stage {stage}, V={vocab} died (exit code {proc.exitcode})")
+                        raise RuntimeError(
+                            f"memory child for stage {stage}, V={vocab} died (exit code {proc.exitcode})"
+                        )
             proc.join()
             out[config_name(stage, vocab)] = result
-            print(f"memory {config_name(stage, vocab)}: peak above set-up "
-                  f"{max(result['step1_peak_above_setup'], result['step2_peak_above_setup']) / 1e6:.0f} MB", flush=True)
+            print(
+                f"memory {config_name(stage, vocab)}: peak above set-up "
+                f"{max(result['step1_peak_above_setup'], result['step2_peak_above_setup']) / 1e6:.0f} MB",
+                flush=True,
+            )
     return out
 
 
@@ -253,8 +292,13 @@ def live_vocab_tensors(mem: dict, n_positions: int, full_vocab: int, reduced: in
     how many vocabulary-sized fp32 tensors are alive at the step's peak."""
     out = {}
     for stage in STAGES:
-        peak = {v: max(mem[config_name(stage, v)]["step1_peak_above_setup"], mem[config_name(stage, v)]["step2_peak_above_setup"])
-                for v in (full_vocab, reduced)}
+        peak = {
+            v: max(
+                mem[config_name(stage, v)]["step1_peak_above_setup"],
+                mem[config_name(stage, v)]["step2_peak_above_setup"],
+            )
+            for v in (full_vocab, reduced)
+        }
         out[stage] = (peak[full_vocab] - peak[reduced]) / (n_positions * 4 * (full_vocab - reduced))
     return out
 
@@ -264,9 +308,13 @@ def llama3_estimate() -> dict:
     """Training memory of one 2048-token sequence for the LLaMA3-8B GRIFFIN draft (see train.md)."""
     H, I, heads, V, T, P = (L3[k] for k in ("H", "I", "heads", "V", "T", "P"))
     tv4 = T * V * 4  # one (T, V) fp32 tensor
-    static = {"fp32 master weights (4 B x P)": 4 * P, "fp32 grads (4 B x P)": 4 * P,
-              "AdamW exp_avg + exp_avg_sq (8 B x P)": 8 * P,
-              "frozen embedding, bf16 (V x H x 2 B)": V * H * 2, "frozen LM head, bf16 (V x H x 2 B)": V * H * 2}
+    static = {
+        "fp32 master weights (4 B x P)": 4 * P,
+        "fp32 grads (4 B x P)": 4 * P,
+        "AdamW exp_avg + exp_avg_sq (8 B x P)": 8 * P,
+        "frozen embedding, bf16 (V x H x 2 B)": V * H * 2,
+        "frozen LM head, bf16 (V x H x 2 B)": V * H * 2,
+    }
     stages = {}
     for J in STAGES:
         tgf = J * T * (30 * H + 4 * I)  # per stream: fc/norm/up inputs and outputs saved for backward
@@ -279,10 +327,16 @@ def llama3_estimate() -> dict:
             "attention, fused kernel (memory-efficient / flash)": 0,
             "attention, materialized (math path): scores + probs bf16": 2 * scores * 2,
         }
-    return {"config": L3, "tv4_bytes": tv4, "static": static, "per_stage": stages,
-            "as_implemented_extra": {
-                "draft.float() also casts the frozen embedding and head to fp32 (+2 x V x H x 2 B)": 2 * V * H * 2,
-                "autocast re-casts the fp32 head to bf16 per logits call, kept for backward (V x H x 2 B)": V * H * 2}}
+    return {
+        "config": L3,
+        "tv4_bytes": tv4,
+        "static": static,
+        "per_stage": stages,
+        "as_implemented_extra": {
+            "draft.float() also casts the frozen embedding and head to fp32 (+2 x V x H x 2 B)": 2 * V * H * 2,
+            "autocast re-casts the fp32 head to bf16 per logits call, kept for backward (V x H x 2 B)": V * H * 2,
+        },
+    }
 
 
 def estimate_totals(est: dict) -> dict:
@@ -290,9 +344,15 @@ def estimate_totals(est: dict) -> dict:
     out = {}
     for J, terms in est["per_stage"].items():
         fused = static + sum(v for k, v in terms.items() if "materialized" not in k)
-        out[J] = {"static_GB": static / GB, "total_fused_attention_GB": fused / GB,
-                  "total_materialized_attention_GB": (fused + terms["attention, materialized (math path): scores + probs bf16"]) / GB,
-                  "total_as_implemented_fused_GB": (fused + sum(est["as_implemented_extra"].values())) / GB}
+        out[J] = {
+            "static_GB": static / GB,
+            "total_fused_attention_GB": fused / GB,
+            "total_materialized_attention_GB": (
+                fused + terms["attention, materialized (math path): scores + probs bf16"]
+            )
+            / GB,
+            "total_as_implemented_fused_GB": (fused + sum(est["as_implemented_extra"].values())) / GB,
+        }
     return out
 
 
@@ -305,11 +365,18 @@ def hardware(args) -> dict:
     mem = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text())
     import transformers
 
-    return {"cpu": model[1].strip() if model else platform.processor(), "cores": os.cpu_count(),
-            "torch_threads": args.threads, "avx512_bf16": "avx512_bf16" in flag_set, "amx": "amx_bf16" in flag_set,
-            "memory_GB": int(mem[1]) * 1024 / GB if mem else None, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {
+        "cpu": model[1].strip() if model else platform.processor(),
+        "cores": os.cpu_count(),
+        "torch_threads": args.threads,
+        "avx512_bf16": "avx512_bf16" in flag_set,
+        "amx": "amx_bf16" in flag_set,
+        "memory_GB": int(mem[1]) * 1024 / GB if mem else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def markdown(r: dict) -> str:
@@ -320,41 +387,54 @@ def markdown(r: dict) -> str:
         x = r["throughput"][str(stage)]
         mf, mr = (r["memory"][config_name(stage, v)] for v in (V, Vr))
         peak = lambda m: max(m["step1_peak_above_setup"], m["step2_peak_above_setup"]) / 1e6  # noqa: E731
-        rows.append(f"| {stage} | {stage} | {x['full_tokens_s_median']:.0f} | {x['reduced_tokens_s_median']:.0f} | "
-                    f"{x['reduced_over_full_median']:.2f}x ({x['reduced_over_full_min_max'][0]:.2f}-{x['reduced_over_full_min_max'][1]:.2f}) | "
-                    f"{peak(mf):.0f} | {peak(mr):.0f} |")
+        rows.append(
+            f"| {stage} | {stage} | {x['full_tokens_s_median']:.0f} | {x['reduced_tokens_s_median']:.0f} | "
+            f"{x['reduced_over_full_median']:.2f}x ({x['reduced_over_full_min_max'][0]:.2f}-{x['reduced_over_full_min_max'][1]:.2f}) | "
+            f"{peak(mf):.0f} | {peak(mr):.0f} |"
+        )
     prof = r["profile"]
     prof_lines = "\n".join(
         f"| stage 2, V={v} | {p['step_s_profiled']:.1f} | {100 * p['vocab_sized_fraction']:.0f}% | "
-        f"{', '.join(f'{k} {ms:.0f}' for k, ms in list(p['top_ops_ms'].items())[:5])} |" for v, p in prof.items())
+        f"{', '.join(f'{k} {ms:.0f}' for k, ms in list(p['top_ops_ms'].items())[:5])} |"
+        for v, p in prof.items()
+    )
     est, tot = r["llama3_8b_estimate"], r["llama3_8b_totals"]
     H, I, heads, Vl, T, P = (est["config"][k] for k in ("H", "I", "heads", "V", "T", "P"))
     static_lines = "\n".join(f"| {k} | {v / GB:.2f} |" for k, v in est["static"].items())
     stage_terms = list(est["per_stage"]["1"].keys())
-    term_lines = "\n".join(f"| {k} | " + " | ".join(f"{est['per_stage'][str(J)][k] / GB:.2f}" for J in STAGES) + " |"
-                           for k in stage_terms)
-    total_lines = "\n".join([
-        "| **total, fused attention** | " + " | ".join(f"**{tot[str(J)]['total_fused_attention_GB']:.1f}**" for J in STAGES) + " |",
-        "| total, materialized attention | " + " | ".join(f"{tot[str(J)]['total_materialized_attention_GB']:.1f}" for J in STAGES) + " |",
-        "| total as implemented today (fp32 frozen copies + per-call bf16 head cast), fused | "
-        + " | ".join(f"{tot[str(J)]['total_as_implemented_fused_GB']:.1f}" for J in STAGES) + " |"])
+    term_lines = "\n".join(
+        f"| {k} | " + " | ".join(f"{est['per_stage'][str(J)][k] / GB:.2f}" for J in STAGES) + " |" for k in stage_terms
+    )
+    total_lines = "\n".join(
+        [
+            "| **total, fused attention** | "
+            + " | ".join(f"**{tot[str(J)]['total_fused_attention_GB']:.1f}**" for J in STAGES)
+            + " |",
+            "| total, materialized attention | "
+            + " | ".join(f"{tot[str(J)]['total_materialized_attention_GB']:.1f}" for J in STAGES)
+            + " |",
+            "| total as implemented today (fp32 frozen copies + per-call bf16 head cast), fused | "
+            + " | ".join(f"{tot[str(J)]['total_as_implemented_fused_GB']:.1f}" for J in STAGES)
+            + " |",
+        ]
+    )
     k = r["live_vocab_tensors_measured"]
     smol = r["memory"][config_name(1, V)]
     return f"""# Training throughput benchmark
 
 `griffin.training.train_step` (bf16 autocast, fp32 master weights, AdamW, per-pass backward, grad value
-clipping) of a GRIFFIN draft for SmolLM2-135M-Instruct ({smol['trainable_params'] / 1e6:.2f} M trainable parameters) on
-{hw['cores']} CPU cores ({hw['cpu']}, AVX-512 BF16: {hw['avx512_bf16']}, AMX: {hw['amx']}), {hw['torch_threads']} torch threads,
-torch {hw['torch']}, transformers {hw['transformers']}. Features: {s['rows']} ShareGPT conversations
-featurized by `run_featurize` (max_len {s['max_len']}, {s['store_tokens']} tokens), batches of <= {s['batch_tokens']} padded tokens
-built like the training loop. {r['timing_rounds']} interleaved rounds after one warm-up step per configuration; every
-configuration trains on the same batch in a round (batch sizes {s['timed_batches_real_tokens']} real tokens).
+clipping) of a GRIFFIN draft for SmolLM2-135M-Instruct ({smol["trainable_params"] / 1e6:.2f} M trainable parameters) on
+{hw["cores"]} CPU cores ({hw["cpu"]}, AVX-512 BF16: {hw["avx512_bf16"]}, AMX: {hw["amx"]}), {hw["torch_threads"]} torch threads,
+torch {hw["torch"]}, transformers {hw["transformers"]}. Features: {s["rows"]} ShareGPT conversations
+featurized by `run_featurize` (max_len {s["max_len"]}, {s["store_tokens"]} tokens), batches of <= {s["batch_tokens"]} padded tokens
+built like the training loop. {r["timing_rounds"]} interleaved rounds after one warm-up step per configuration; every
+configuration trains on the same batch in a round (batch sizes {s["timed_batches_real_tokens"]} real tokens).
 tokens/s = real (non-padding) tokens / step wall time, median over rounds; the ratio is the median of per-round
-ratios (range in brackets). Load average {hw['loadavg_start'][0]:.1f} at the start, {hw['loadavg_end'][0]:.1f} at the end
+ratios (range in brackets). Load average {hw["loadavg_start"][0]:.1f} at the start, {hw["loadavg_end"][0]:.1f} at the end
 (shared machine: absolute numbers are noisy, ratios are the result).
 
-Peak memory: each configuration in a fresh spawned process on the largest batch ({s['memory_batch']['B']} x
-{s['memory_batch']['T']} = {s['memory_batch']['positions']} padded positions): peak RSS (VmHWM, reset via
+Peak memory: each configuration in a fresh spawned process on the largest batch ({s["memory_batch"]["B"]} x
+{s["memory_batch"]["T"]} = {s["memory_batch"]["positions"]} padded positions): peak RSS (VmHWM, reset via
 `/proc/self/clear_refs`) during a training step minus the RSS after set-up (target, draft with its frozen
 buffers, optimizer, batch), max over the first step (which allocates grads and AdamW state) and a second one.
 
@@ -362,9 +442,9 @@ buffers, optimizer, batch), max over the first step (which allocates grads and A
 |---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-Step time relative to stage 1 (median of per-round ratios): stage 2 {r['throughput']['2']['full_step_over_stage1_median']:.2f}x /
-{r['throughput']['2']['reduced_step_over_stage1_median']:.2f}x, stage 3 {r['throughput']['3']['full_step_over_stage1_median']:.2f}x /
-{r['throughput']['3']['reduced_step_over_stage1_median']:.2f}x (full / reduced vocabulary).
+Step time relative to stage 1 (median of per-round ratios): stage 2 {r["throughput"]["2"]["full_step_over_stage1_median"]:.2f}x /
+{r["throughput"]["2"]["reduced_step_over_stage1_median"]:.2f}x, stage 3 {r["throughput"]["3"]["full_step_over_stage1_median"]:.2f}x /
+{r["throughput"]["3"]["reduced_step_over_stage1_median"]:.2f}x (full / reduced vocabulary).
 
 Where the time goes (one profiled step, self CPU time; "vocabulary-sized" = ops with an input dimension equal
 to the draft vocabulary: LM-head matmuls and their backward, the head cast, softmax/log-softmax, the loss
@@ -375,25 +455,25 @@ products and sums, top-k):
 {prof_lines}
 
 Vocabulary-sized memory at the step's peak, in (B*T, V) fp32 tensors: (peak(V={V}) - peak(V={Vr})) / (({V} - {Vr}) x
-{s['memory_batch']['positions']} positions x 4 B) = stage 1 {k['1']:.1f}, stage 2 {k['2']:.1f}, stage 3 {k['3']:.1f}. This counts the bf16 copy
+{s["memory_batch"]["positions"]} positions x 4 B) = stage 1 {k["1"]:.1f}, stage 2 {k["2"]:.1f}, stage 3 {k["3"]:.1f}. This counts the bf16 copy
 of the head that autocast makes for the LM-head matmul too; each copy is H x 2 / (B*T x 4) =
-{s['hidden_size'] * 2 / (s['memory_batch']['positions'] * 4):.2f} of a (B*T, V) fp32 tensor at this H and B*T.
-`ru_maxrss` is not usable for this: in the spawned child it already reads {smol['ru_maxrss_after_setup'] / 1e9:.1f} GB right
-after set-up (RSS {smol['setup_rss'] / 1e9:.2f} GB) - Linux folds the forked parent's high-water mark into it at exec - and it
+{s["hidden_size"] * 2 / (s["memory_batch"]["positions"] * 4):.2f} of a (B*T, V) fp32 tensor at this H and B*T.
+`ru_maxrss` is not usable for this: in the spawned child it already reads {smol["ru_maxrss_after_setup"] / 1e9:.1f} GB right
+after set-up (RSS {smol["setup_rss"] / 1e9:.2f} GB) - Linux folds the forked parent's high-water mark into it at exec - and it
 cannot be reset, so it never moves during the steps; VmHWM after `clear_refs` can and does.
 
 ## LLaMA3-8B target at max_len 2048 (on paper)
 
 Draft per docs/method.md §2.5: H = {H}, I = {I}, {heads} heads MHA, V = {Vl}, P = {P:,} trainable parameters; one
 {T}-token sequence per step, bf16 autocast with fp32 master weights. GB = 10^9 bytes. One (T, V) fp32 tensor is
-{T} x {Vl} x 4 B = {est['tv4_bytes'] / GB:.2f} GB.
+{T} x {Vl} x 4 B = {est["tv4_bytes"] / GB:.2f} GB.
 
 Resident for the whole run:
 
 | term | GB |
 |---|---|
 {static_lines}
-| **static total** | **{tot['1']['static_GB']:.2f}** |
+| **static total** | **{tot["1"]["static_GB"]:.2f}** |
 
 Per step, at the peak (the backward of one pass's loss). Every pass is back-propagated before the next one
 starts (docs/method.md §3.2), so a pass's activations are freed before the next pass; what grows with the number of
@@ -407,12 +487,12 @@ passes J is the J fused streams the TGF runs and the J*T keys the attention sees
 Arithmetic:
 - 4P = 4 x {P:,} = {4 * P / GB:.2f} GB each for the master weights and the grads; AdamW's two moments 8P = {8 * P / GB:.2f} GB;
   the frozen embedding and the (untied) LM head are V x H x 2 B = {Vl} x {H} x 2 = {Vl * H * 2 / GB:.2f} GB each.
-- The teacher distribution p* = softmax(lm_head(f_t+1)) is one (T, V) fp32 tensor alive for the whole step: {est['tv4_bytes'] / GB:.2f} GB.
+- The teacher distribution p* = softmax(lm_head(f_t+1)) is one (T, V) fp32 tensor alive for the whole step: {est["tv4_bytes"] / GB:.2f} GB.
   In each pass the loss keeps log q (T x V fp32, saved by log_softmax) and its backward briefly holds the gradient
-  of log q and of the logits at once: teacher + 3 x (T, V) fp32 = 4 x {est['tv4_bytes'] / GB:.2f} GB at the peak, the
+  of log q and of the logits at once: teacher + 3 x (T, V) fp32 = 4 x {est["tv4_bytes"] / GB:.2f} GB at the peak, the
   same for every stage (the top-k loss of stages >= 2 reuses log q; the alignment top-3 logits are bf16, no-grad).
-  Check against the SmolLM2 measurement above: it predicts 4 + 1 bf16 head copy = {4 + s['hidden_size'] * 2 / (s['memory_batch']['positions'] * 4):.2f}
-  (B*T, V) fp32 equivalents there; measured {k['1']:.1f} / {k['2']:.1f} / {k['3']:.1f} (stages 1 / 2 / 3).
+  Check against the SmolLM2 measurement above: it predicts 4 + 1 bf16 head copy = {4 + s["hidden_size"] * 2 / (s["memory_batch"]["positions"] * 4):.2f}
+  (B*T, V) fp32 equivalents there; measured {k["1"]:.1f} / {k["2"]:.1f} / {k["3"]:.1f} (stages 1 / 2 / 3).
 - Layer activations: per stream the TGF keeps ~(30 H + 4 I) bytes per token ({(30 * H + 4 * I) * T / GB:.2f} GB per stream at T = {T}),
   the decoder layer ~(30 H + 8 I) bytes per token on the query stream plus ~10 H per token for the K/V of every stream.
   These are estimates of the saved tensors (bf16 matmul inputs/outputs, fp32 RMSNorm internals, fp32 residuals).
@@ -425,8 +505,8 @@ Arithmetic:
   Keeping the frozen buffers bf16 saves ~{3 * Vl * H * 2 / GB:.1f} GB per GPU at this vocabulary.
 
 Everything per step scales with the tokens per micro-batch: each further 2048-token sequence adds the per-step
-rows again ({tot['3']['total_fused_attention_GB'] - tot['1']['static_GB']:.1f} GB at stage 3, fused attention), so the official 4 x 2048 tokens per GPU
-come to ~{tot['1']['static_GB'] + 4 * (tot['3']['total_fused_attention_GB'] - tot['1']['static_GB']):.0f} GB at stage 3 without gradient checkpointing (the official code checkpoints
+rows again ({tot["3"]["total_fused_attention_GB"] - tot["1"]["static_GB"]:.1f} GB at stage 3, fused attention), so the official 4 x 2048 tokens per GPU
+come to ~{tot["1"]["static_GB"] + 4 * (tot["3"]["total_fused_attention_GB"] - tot["1"]["static_GB"]):.0f} GB at stage 3 without gradient checkpointing (the official code checkpoints
 the decoder layer, docs/method.md §3.4), and the (T, V) fp32 terms are the first thing to chunk or fuse beyond that.
 """
 
@@ -446,8 +526,14 @@ def plot(r: dict, path: Path) -> None:
         per_round = [[x["tokens_s"] for x in r["samples"][config_name(s, vocab)]] for s in STAGES]
         err = [[m - min(p) for m, p in zip(med, per_round)], [max(p) - m for m, p in zip(med, per_round)]]
         left.bar([i + offset for i in x], med, width, yerr=err, capsize=3, color=color, label=f"V = {vocab}")
-        peaks = [max(r["memory"][config_name(s, vocab)]["step1_peak_above_setup"],
-                     r["memory"][config_name(s, vocab)]["step2_peak_above_setup"]) / 1e6 for s in STAGES]
+        peaks = [
+            max(
+                r["memory"][config_name(s, vocab)]["step1_peak_above_setup"],
+                r["memory"][config_name(s, vocab)]["step2_peak_above_setup"],
+            )
+            / 1e6
+            for s in STAGES
+        ]
         middle.bar([i + offset for i in x], peaks, width, color=color, label=f"V = {vocab}")
     for ax in (left, middle):
         ax.set_ylim(0, ax.get_ylim()[1] * 1.2)
@@ -491,7 +577,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/griffin-train-bench"))
     parser.add_argument("--reuse-store", action="store_true", help="keep an existing store (featurize resumes)")
-    parser.add_argument("--out-prefix", default="train", help="result file names (benchmarks/training/<prefix>.json ...)")
+    parser.add_argument(
+        "--out-prefix", default="train", help="result file names (benchmarks/training/<prefix>.json ...)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -507,33 +595,54 @@ def main() -> None:
     d2t = reduced_vocabulary(cfg.store_path, args.reduced_vocab, V, exclude=set())
     print(f"{len(batches)} batches; real tokens {[int(b.attention_mask.sum()) for b in batches]}", flush=True)
 
-    trainers = {config_name(stage, vocab): Trainer(target, stage, ids)
-                for stage in STAGES for vocab, ids in ((V, None), (args.reduced_vocab, d2t))}
+    trainers = {
+        config_name(stage, vocab): Trainer(target, stage, ids)
+        for stage in STAGES
+        for vocab, ids in ((V, None), (args.reduced_vocab, d2t))
+    }
     timed = timing(trainers, batches, args)
-    profile = {vocab: profile_split(trainers[config_name(2, vocab)], batches[1], vocab) for vocab in (V, args.reduced_vocab)}
+    profile = {
+        vocab: profile_split(trainers[config_name(2, vocab)], batches[1], vocab) for vocab in (V, args.reduced_vocab)
+    }
     del trainers
     gc.collect()
 
     big = max(range(len(batches)), key=lambda i: (batches[i].tokens.numel(), batches[i].tokens.shape[1]))
-    mem_batch = {"index": big, "B": batches[big].tokens.shape[0], "T": batches[big].tokens.shape[1],
-                 "positions": batches[big].tokens.numel(), "real_tokens": int(batches[big].attention_mask.sum())}
+    mem_batch = {
+        "index": big,
+        "B": batches[big].tokens.shape[0],
+        "T": batches[big].tokens.shape[1],
+        "positions": batches[big].tokens.numel(),
+        "real_tokens": int(batches[big].attention_mask.sum()),
+    }
     mem = memory(args, d2t.tolist(), big, V)
     est = llama3_estimate()
     result = {
         "hardware": {**hardware(args), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-        "setup": {"base_config": BASE_CONFIG, "overrides": overrides(args), "rows": store_summary["rows"],
-                  "store_tokens": store_summary["tokens"], "max_len": args.max_len, "batch_tokens": args.batch_tokens,
-                  "featurize": store_summary, "full_vocab": V, "reduced_vocab": args.reduced_vocab,
-                  "hidden_size": target.hidden_size, "batches": len(batches),
-                  "timed_batches_real_tokens": sorted({x["tokens"] for x in timed["samples"][config_name(1, V)]}),
-                  "reduced_vocab_coverage_of_store_tokens": None, "memory_batch": mem_batch,
-                  "method": TrainConfig(stage=1).model_dump(mode="json")},
+        "setup": {
+            "base_config": BASE_CONFIG,
+            "overrides": overrides(args),
+            "rows": store_summary["rows"],
+            "store_tokens": store_summary["tokens"],
+            "max_len": args.max_len,
+            "batch_tokens": args.batch_tokens,
+            "featurize": store_summary,
+            "full_vocab": V,
+            "reduced_vocab": args.reduced_vocab,
+            "hidden_size": target.hidden_size,
+            "batches": len(batches),
+            "timed_batches_real_tokens": sorted({x["tokens"] for x in timed["samples"][config_name(1, V)]}),
+            "reduced_vocab_coverage_of_store_tokens": None,
+            "memory_batch": mem_batch,
+            "method": TrainConfig(stage=1).model_dump(mode="json"),
+        },
         "timing_rounds": timed["rounds"],
         "throughput": {str(k): v for k, v in summarize(timed["samples"], V, args.reduced_vocab).items()},
         "profile": {str(k): v for k, v in profile.items()},
         "memory": mem,
-        "live_vocab_tensors_measured": {str(k): v for k, v in live_vocab_tensors(mem, mem_batch["positions"], V,
-                                                                                args.reduced_vocab).items()},
+        "live_vocab_tensors_measured": {
+            str(k): v for k, v in live_vocab_tensors(mem, mem_batch["positions"], V, args.reduced_vocab).items()
+        },
         "llama3_8b_estimate": {**est, "per_stage": {str(k): v for k, v in est["per_stage"].items()}},
         "llama3_8b_totals": {str(k): v for k, v in estimate_totals(est).items()},
         "samples": timed["samples"],
@@ -544,7 +653,9 @@ def main() -> None:
     (OUT / f"{prefix}.json").write_text(json.dumps(result, indent=2) + "\n")
     (OUT / f"{prefix}.md").write_text(markdown(result))
     plot(result, OUT / f"{prefix}.png")
-    print(json.dumps({k: result[k] for k in ("throughput", "live_vocab_tensors_measured", "llama3_8b_totals")}, indent=2))
+    print(
+        json.dumps({k: result[k] for k in ("throughput", "live_vocab_tensors_measured", "llama3_8b_totals")}, indent=2)
+    )
 
 
 def coverage(store: str, d2t: torch.Tensor) -> float:

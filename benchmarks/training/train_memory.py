@@ -53,15 +53,21 @@ def main() -> None:
             runs[arm].append(json.loads(result.stdout.strip().splitlines()[-1]))
     summary = {arm: median(r["rss_mib"] for r in rows) for arm, rows in runs.items()}
     out = Path(__file__).parent
-    (out / "train_memory.json").write_text(json.dumps({"config": args.config, "runs": runs, "median_rss_mib": summary},
-                                                      indent=2))
+    (out / "train_memory.json").write_text(
+        json.dumps({"config": args.config, "runs": runs, "median_rss_mib": summary}, indent=2)
+    )
     whole, lent = summary["whole"], summary["lent"]
-    lines = [f"`{args.config}`: resident memory (RSS) of a fresh process that has built a training worker's draft "
-             "(on the CPU), median of 3.", "",
-             "| training worker | RSS, MiB |", "|---|---|",
-             f"| whole target kept beside the draft (before) | {whole:.0f} |",
-             f"| target lent and dropped: embedding and LM head kept (now) | {lent:.0f} |", "",
-             f"Now / before: {lent / whole:.2f} ({whole - lent:.0f} MiB less per worker)."]
+    lines = [
+        f"`{args.config}`: resident memory (RSS) of a fresh process that has built a training worker's draft "
+        "(on the CPU), median of 3.",
+        "",
+        "| training worker | RSS, MiB |",
+        "|---|---|",
+        f"| whole target kept beside the draft (before) | {whole:.0f} |",
+        f"| target lent and dropped: embedding and LM head kept (now) | {lent:.0f} |",
+        "",
+        f"Now / before: {lent / whole:.2f} ({whole - lent:.0f} MiB less per worker).",
+    ]
     (out / "train_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

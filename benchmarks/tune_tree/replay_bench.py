@@ -62,31 +62,55 @@ def main() -> None:
             start = time.perf_counter()
             replay = replay_greedy(draft, reference, tree)
             replay_s += time.perf_counter() - start
-            assert decoded.tokens == reference.continuation[:reference.length]
+            assert decoded.tokens == reference.continuation[: reference.length]
             real.append(decoded.stats.accepted_per_round)
             replayed.append(replay.accepted_per_round)
             agree += decoded.stats.accepted_per_round == replay.accepted_per_round
         flat_real = [a for prompt in real for a in prompt]
         two = [a for prompt in real[:2] for a in prompt]
-        rows.append({"tree": name, "tau_decoded": tau(flat_real), "tau_replayed": tau([a for p in replayed for a in p]),
-                     "prompts_identical": agree, "prompts": len(prompts),
-                     "tau_per_prompt": [round(tau(p), 3) for p in real], "tau_first_two_prompts": tau(two),
-                     "decode_s": real_s, "replay_s": replay_s})
+        rows.append(
+            {
+                "tree": name,
+                "tau_decoded": tau(flat_real),
+                "tau_replayed": tau([a for p in replayed for a in p]),
+                "prompts_identical": agree,
+                "prompts": len(prompts),
+                "tau_per_prompt": [round(tau(p), 3) for p in real],
+                "tau_first_two_prompts": tau(two),
+                "decode_s": real_s,
+                "replay_s": replay_s,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
 
     OUT.mkdir(exist_ok=True)
-    result = {"target": target.name, "dtype": str(target.dtype), "draft": DRAFT, "hardware": hardware(),
-              "prompts": len(prompts), "max_new_tokens": args.new, "reference_s": reference_s, "trees": rows}
+    result = {
+        "target": target.name,
+        "dtype": str(target.dtype),
+        "draft": DRAFT,
+        "hardware": hardware(),
+        "prompts": len(prompts),
+        "max_new_tokens": args.new,
+        "reference_s": reference_s,
+        "trees": rows,
+    }
     (OUT / "replay.json").write_text(json.dumps(result, indent=2))
-    lines = [f"{target.name}, {target.dtype}, draft `{DRAFT}`, {len(prompts)} calibration prompts x {args.new} "
-             f"tokens at T=0; {result['hardware']['cpu_model']} ({result['hardware']['cpu_capability']}), "
-             f"{result['hardware']['torch_threads']} threads. The continuations (vanilla decode + one forward "
-             f"per prompt) took {reference_s:.1f} s.", "",
-             "| tree | τ decoded | τ replayed | prompts with every round identical | τ on the first 2 prompts "
-             "| decode s | replay s | replay / decode |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['tree']} | {r['tau_decoded']:.3f} | {r['tau_replayed']:.3f} | {r['prompts_identical']} / "
-              f"{r['prompts']} | {r['tau_first_two_prompts']:.3f} | {r['decode_s']:.1f} | {r['replay_s']:.1f} | "
-              f"{r['replay_s'] / r['decode_s']:.2f} |" for r in rows]
+    lines = [
+        f"{target.name}, {target.dtype}, draft `{DRAFT}`, {len(prompts)} calibration prompts x {args.new} "
+        f"tokens at T=0; {result['hardware']['cpu_model']} ({result['hardware']['cpu_capability']}), "
+        f"{result['hardware']['torch_threads']} threads. The continuations (vanilla decode + one forward "
+        f"per prompt) took {reference_s:.1f} s.",
+        "",
+        "| tree | τ decoded | τ replayed | prompts with every round identical | τ on the first 2 prompts "
+        "| decode s | replay s | replay / decode |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['tree']} | {r['tau_decoded']:.3f} | {r['tau_replayed']:.3f} | {r['prompts_identical']} / "
+        f"{r['prompts']} | {r['tau_first_two_prompts']:.3f} | {r['decode_s']:.1f} | {r['replay_s']:.1f} | "
+        f"{r['replay_s'] / r['decode_s']:.2f} |"
+        for r in rows
+    ]
     (OUT / "replay.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -31,7 +31,15 @@ def main() -> None:
     with torch.no_grad():
         logits = target.model(ctx).logits[0, -1].float()
     top = logits.topk(3)
-    print("fp32 vanilla at 59: top", top.indices.tolist(), [round(v, 3) for v in top.values.tolist()], "logit[2]", round(logits[2].item(), 3), "logit[378]", round(logits[378].item(), 3))
+    print(
+        "fp32 vanilla at 59: top",
+        top.indices.tolist(),
+        [round(v, 3) for v in top.values.tolist()],
+        "logit[2]",
+        round(logits[2].item(), 3),
+        "logit[378]",
+        round(logits[378].item(), 3),
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ SCORE = "eval/sim_accept_len"
 
 def held_out(variant: str) -> dict[str, float]:
     stages = sorted((ROOT / "outputs" / f"smollm2-variants-{variant}" / "train").glob("stage*/_complete.json"))
-    return {f"stage {json.loads(p.read_text())['stage']}": json.loads(p.read_text())["best_metrics"][SCORE]
-            for p in stages}
+    return {
+        f"stage {json.loads(p.read_text())['stage']}": json.loads(p.read_text())["best_metrics"][SCORE] for p in stages
+    }
 
 
 def main() -> None:
@@ -39,22 +40,36 @@ def main() -> None:
             if method is None:
                 continue
             result["decode"].setdefault(key, {})[variant] = {
-                "tau": method["tau"], "per_position_acceptance": method["per_position_acceptance"],
-                "tokens_per_s": method["tokens_per_s_median"], "speedup_vs_vanilla": method["tokens_per_s_median"] / vanilla}
-            rows.append(f"| {key} | {variant} | {method['tau']:.2f} | "
-                        f"{' / '.join(f'{a:.2f}' for a in method['per_position_acceptance'])} | "
-                        f"{method['tokens_per_s_median']:.1f} | {method['tokens_per_s_median'] / vanilla:.2f}x |")
+                "tau": method["tau"],
+                "per_position_acceptance": method["per_position_acceptance"],
+                "tokens_per_s": method["tokens_per_s_median"],
+                "speedup_vs_vanilla": method["tokens_per_s_median"] / vanilla,
+            }
+            rows.append(
+                f"| {key} | {variant} | {method['tau']:.2f} | "
+                f"{' / '.join(f'{a:.2f}' for a in method['per_position_acceptance'])} | "
+                f"{method['tokens_per_s_median']:.1f} | {method['tokens_per_s_median'] / vanilla:.2f}x |"
+            )
     (OUT / "variants.json").write_text(json.dumps(result, indent=2))
     tree = report["tree"]
-    lines = ["# GRIFFIN vs EAGLE-3 vs GRIFFIN-3 on SmolLM2 (`benchmarks/variants/variants.sh`)", "",
-             "Held-out expected accepted tokens (`eval/sim_accept_len`, best checkpoint of each stage):", "",
-             "| variant | " + " | ".join(result["held_out"]["griffin"]) + " |",
-             "|---|" + "---:|" * len(result["held_out"]["griffin"])]
+    lines = [
+        "# GRIFFIN vs EAGLE-3 vs GRIFFIN-3 on SmolLM2 (`benchmarks/variants/variants.sh`)",
+        "",
+        "Held-out expected accepted tokens (`eval/sim_accept_len`, best checkpoint of each stage):",
+        "",
+        "| variant | " + " | ".join(result["held_out"]["griffin"]) + " |",
+        "|---|" + "---:|" * len(result["held_out"]["griffin"]),
+    ]
     for variant in VARIANTS:
         lines.append(f"| {variant} | " + " | ".join(f"{v:.3f}" for v in result["held_out"][variant].values()) + " |")
-    lines += ["", f"Decoding, tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}, interleaved in one process, "
-              "medians:", "", "| dataset / T | variant | τ | per-position acceptance | tokens/s | vs vanilla |",
-              "|---|---|---:|---|---:|---:|", *rows]
+    lines += [
+        "",
+        f"Decoding, tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}, interleaved in one process, medians:",
+        "",
+        "| dataset / T | variant | τ | per-position acceptance | tokens/s | vs vanilla |",
+        "|---|---|---:|---|---:|---:|",
+        *rows,
+    ]
     (OUT / "variants.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

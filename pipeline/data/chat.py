@@ -23,14 +23,14 @@ def encode(tokenizer: Any, text: str, parse_special: bool = True, add_special_to
     HF fast tokenizers switch that with a flag on the shared backend tokenizer, so calls from
     concurrent threads (the server parses requests in workers) must not interleave: one lock."""
     with _ENCODE_LOCK:
-        return tokenizer(text, add_special_tokens=add_special_tokens,
-                         split_special_tokens=not parse_special)["input_ids"]
+        return tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=not parse_special)[
+            "input_ids"
+        ]
 
 
 def _special_pattern(tokenizer: Any) -> re.Pattern | None:
     """A regex matching the tokenizer's special tokens, longest first; None when it has none."""
-    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                      reverse=True)
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
 
 
@@ -40,8 +40,9 @@ def _layout(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, dict[s
     reproduces the plain rendering, exact or stripped contents."""
     nonce = secrets.token_hex(8)
     marks = [f"@@content-{nonce}-{i}@@" for i in range(len(messages))]
-    layout = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                           tokenize=False, add_generation_prompt=True)
+    layout = tokenizer.apply_chat_template(
+        [{**m, "content": mark} for m, mark in zip(messages, marks)], tokenize=False, add_generation_prompt=True
+    )
     plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     for fill in (lambda text: text, str.strip):
         contents = {mark: fill(m["content"]) for mark, m in zip(marks, messages)}

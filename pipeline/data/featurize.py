@@ -72,8 +72,9 @@ class Featurizer:
     "non_finite"), for fp8 ``scales`` (B,) arrays of (T_i,) fp32, and with layers ``layers`` (B,)
     bytes of (T_i, k, D) [+ ``layer_scales`` (B,) arrays of (T_i * k,) fp32]. Usable without Ray."""
 
-    def __init__(self, target: dict[str, Any], dtype: str = "bf16", batch_tokens: int = 8192,
-                 layers: tuple[int, ...] = ()):
+    def __init__(
+        self, target: dict[str, Any], dtype: str = "bf16", batch_tokens: int = 8192, layers: tuple[int, ...] = ()
+    ):
         self.target = load_target(TargetSection(**target))
         self.dtype, self.batch_tokens, self.layers = dtype, batch_tokens, tuple(layers)
         self.pad_id = getattr(self.target.tokenizer, "pad_token_id", None) or 0
@@ -88,12 +89,19 @@ class Featurizer:
         for b, sequence in enumerate(sequences):
             tokens[b, : len(sequence)], attention[b, : len(sequence)] = torch.from_numpy(sequence.astype(np.int64)), 1
         device = self.target.device
-        out = self.target.backbone(input_ids=tokens.to(device), attention_mask=attention.to(device),
-                                   output_hidden_states=list(self.layers) or None)
+        out = self.target.backbone(
+            input_ids=tokens.to(device),
+            attention_mask=attention.to(device),
+            output_hidden_states=list(self.layers) or None,
+        )
         features = out.last_hidden_state.cpu()  # (B, T, D), after the final norm (docs/method.md §1)
-        stacked = torch.stack([out.hidden_states[i] for i in self.layers], dim=2).cpu() if self.layers else None  # (B, T, k, D)
+        stacked = (
+            torch.stack([out.hidden_states[i] for i in self.layers], dim=2).cpu() if self.layers else None
+        )  # (B, T, k, D)
         # right padding never reaches these
-        return [(features[b, : len(s)], None if stacked is None else stacked[b, : len(s)]) for b, s in enumerate(sequences)]
+        return [
+            (features[b, : len(s)], None if stacked is None else stacked[b, : len(s)]) for b, s in enumerate(sequences)
+        ]
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         lengths = np.asarray([len(ids) for ids in batch["input_ids"]], dtype=np.int32)  # (B,)
@@ -127,8 +135,16 @@ class PartWriter(PartActor):
 
     fault_env = FAULT_ENV
 
-    def __init__(self, target: dict[str, Any], store: str, dtype: str, batch_tokens: int,
-                 fingerprint: dict[str, Any], fail_after: int | None = None, layers: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        target: dict[str, Any],
+        store: str,
+        dtype: str,
+        batch_tokens: int,
+        fingerprint: dict[str, Any],
+        fail_after: int | None = None,
+        layers: tuple[int, ...] = (),
+    ):
         self.featurizer = Featurizer(target, dtype, batch_tokens, tuple(layers))
         super().__init__(target_fingerprint(self.featurizer.target), fingerprint, fail_after)
         self.store, self.dtype = store, dtype
@@ -139,17 +155,25 @@ class PartWriter(PartActor):
     def write(self, batch: dict[str, np.ndarray], i: int) -> dict[str, Any]:
         name = self.next_part()
         cuts = np.cumsum(batch["lengths"][i])[:-1]  # flat tokens -> one array per conversation
-        part = {"sample_id": np.asarray(batch["sample_id"][i]),
-                "input_ids": _objects(np.split(batch["input_ids"][i], cuts)),
-                "loss_mask": _objects(np.split(batch["loss_mask"][i], cuts))}
+        part = {
+            "sample_id": np.asarray(batch["sample_id"][i]),
+            "input_ids": _objects(np.split(batch["input_ids"][i], cuts)),
+            "loss_mask": _objects(np.split(batch["loss_mask"][i], cuts)),
+        }
         rows = self.featurizer(part)
         ok = rows["error"] == ""
-        skipped = [{"sample_id": s, "reason": e, "where": "featurize", "detail": "NaN/inf in the target's features"}
-                   for s, e in zip(rows["sample_id"][~ok], rows["error"][~ok])]
+        skipped = [
+            {"sample_id": s, "reason": e, "where": "featurize", "detail": "NaN/inf in the target's features"}
+            for s, e in zip(rows["sample_id"][~ok], rows["error"][~ok])
+        ]
         entry = None
         if ok.any():
-            table = part_table({k: v[ok] for k, v in rows.items()}, self.dtype, self.featurizer.target.hidden_size,
-                               self.featurizer.layers)
+            table = part_table(
+                {k: v[ok] for k, v in rows.items()},
+                self.dtype,
+                self.featurizer.target.hidden_size,
+                self.featurizer.layers,
+            )
             entry = write_part(self.store, name, table)
             entry["node"] = _node_id()  # where it ran: placement is auditable on a cluster
         return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
@@ -173,10 +197,15 @@ def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: 
         current.append(sample)
         tokens += len(sample.input_ids)
     parts += [current] if current else []
-    items = [{"sample_id": [s.sample_id for s in part],
-              "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
-              "input_ids": np.concatenate([s.input_ids for s in part]),
-              "loss_mask": np.concatenate([s.loss_mask for s in part])} for part in parts]
+    items = [
+        {
+            "sample_id": [s.sample_id for s in part],
+            "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
+            "input_ids": np.concatenate([s.input_ids for s in part]),
+            "loss_mask": np.concatenate([s.loss_mask for s in part]),
+        }
+        for part in parts
+    ]
     order = np.random.default_rng(cfg.data.shuffle_seed or 0).permutation(len(items))
     return [items[i] for i in order]
 
@@ -184,8 +213,14 @@ def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: 
 def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     """Capture key, tokenized samples and the ledger; the driver's copy of the target ends here."""
     target = load_target(cfg.target)
-    key = {**target_fingerprint(target), "layer": LAYER, "post_norm": True, "dtype": cfg.features.dtype,
-           "max_len": cfg.data.max_len, "system_prompt": cfg.data.system_prompt}  # both change every row
+    key = {
+        **target_fingerprint(target),
+        "layer": LAYER,
+        "post_norm": True,
+        "dtype": cfg.features.dtype,
+        "max_len": cfg.data.max_len,
+        "system_prompt": cfg.data.system_prompt,
+    }  # both change every row
     if layers := feature_layers(cfg, target):  # absent without: stores from before feature layers keep their key
         key["feature_layers"] = list(layers)
     ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
@@ -197,24 +232,38 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     return key, samples, ledger
 
 
-
-
 def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: PartProgress) -> None:
     ensure_ray(cfg)
     capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers")
     fingerprint = {k: key[k] for k in key if k not in capture}
-    run_part_actors(cfg, PartWriter, parts, cfg.store_path, manifest, progress, "featurization",
-                    dict(target=cfg.target.model_dump(), store=cfg.store_path, dtype=cfg.features.dtype,
-                         batch_tokens=cfg.features.batch_tokens, fingerprint=fingerprint,
-                         fail_after=injected_failure(FAULT_ENV),
-                         layers=tuple(key.get("feature_layers", ()))))
+    run_part_actors(
+        cfg,
+        PartWriter,
+        parts,
+        cfg.store_path,
+        manifest,
+        progress,
+        "featurization",
+        dict(
+            target=cfg.target.model_dump(),
+            store=cfg.store_path,
+            dtype=cfg.features.dtype,
+            batch_tokens=cfg.features.batch_tokens,
+            fingerprint=fingerprint,
+            fail_after=injected_failure(FAULT_ENV),
+            layers=tuple(key.get("feature_layers", ())),
+        ),
+    )
 
 
 def _verify(store: str) -> dict[str, Any]:
     if problems := verify_store(store):
-        raise ValueError(f"feature store {store} failed verification:\n  " + "\n  ".join(problems) +
-                         "\nfix: delete the named part files and rerun `griffin featurize` with the store's config "
-                         "(resume re-featurizes their samples)")
+        raise ValueError(
+            f"feature store {store} failed verification:\n  "
+            + "\n  ".join(problems)
+            + "\nfix: delete the named part files and rerun `griffin featurize` with the store's config "
+            "(resume re-featurizes their samples)"
+        )
     return {"store": store, "ok": True}
 
 
@@ -228,8 +277,14 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
     carried = [s for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS]
     manifest["skipped"], manifest["selected"] = ledger.entries + carried, len(samples)
     todo = [s for s in samples if s.sample_id not in done]
-    logger.info("featurize: %d samples selected, %d already in %s, %d to do; skipped so far: %s",
-                len(samples), len(samples) - len(todo), cfg.store_path, len(todo), ledger.counts())
+    logger.info(
+        "featurize: %d samples selected, %d already in %s, %d to do; skipped so far: %s",
+        len(samples),
+        len(samples) - len(todo),
+        cfg.store_path,
+        len(todo),
+        ledger.counts(),
+    )
     progress = PartProgress("featurize", len(todo), sum(len(s.input_ids) for s in todo))
     if todo:
         parts = plan_parts(todo, cfg, key["hidden_size"], len(key.get("feature_layers", ())))
@@ -239,11 +294,18 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
     totals = manifest["totals"]
     if todo:
         progress.console.close(f"{progress.rows}/{progress.total_rows} conversations")
-    console.say(f"[featurize] store {cfg.store_path}: {totals['rows']} conversations, {totals['tokens']} tokens"
-                f"{'' if todo else ' (already complete)'}")
+    console.say(
+        f"[featurize] store {cfg.store_path}: {totals['rows']} conversations, {totals['tokens']} tokens"
+        f"{'' if todo else ' (already complete)'}"
+    )
     rate = progress.tokens / max(progress.elapsed, 1e-9)
-    return {"store": cfg.store_path, "complete": manifest["complete"],
-            **{k: totals[k] for k in ("files", "rows", "tokens", "bytes", "bytes_per_token")},
-            "new_rows": progress.rows, "new_tokens": progress.tokens,
-            "seconds": round(progress.elapsed, 2), "tokens_per_s": round(rate, 1),
-            "skipped": Ledger(manifest["skipped"]).counts()}
+    return {
+        "store": cfg.store_path,
+        "complete": manifest["complete"],
+        **{k: totals[k] for k in ("files", "rows", "tokens", "bytes", "bytes_per_token")},
+        "new_rows": progress.rows,
+        "new_tokens": progress.tokens,
+        "seconds": round(progress.elapsed, 2),
+        "tokens_per_s": round(rate, 1),
+        "skipped": Ledger(manifest["skipped"]).counts(),
+    }

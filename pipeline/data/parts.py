@@ -29,8 +29,10 @@ class PartActor:
 
     def __init__(self, worker_fingerprint: dict[str, Any], fingerprint: dict[str, Any], fail_after: int | None):
         if worker_fingerprint != fingerprint:
-            raise ValueError(f"this worker's target differs from the driver's ({worker_fingerprint} vs {fingerprint}); "
-                             "every node must see the same model files")
+            raise ValueError(
+                f"this worker's target differs from the driver's ({worker_fingerprint} vs {fingerprint}); "
+                "every node must see the same model files"
+            )
         self.fail_after = fail_after
         self.actor, self.parts = uuid.uuid4().hex[:8], 0
 
@@ -57,15 +59,21 @@ class PartProgress:
         self.stage, self.total_rows, self.total_tokens = stage, rows, tokens
         self.rows = self.tokens = self.bytes = 0
         self.start = time.perf_counter()
-        self.console = (console.Progress(stage, tokens, "tokens") if tokens is not None
-                        else console.Progress(stage, rows, "conversations"))
+        self.console = (
+            console.Progress(stage, tokens, "tokens")
+            if tokens is not None
+            else console.Progress(stage, rows, "conversations")
+        )
 
     def update(self, result: dict[str, Any]) -> None:
         self.rows, self.tokens = self.rows + result["rows"], self.tokens + result["tokens"]
         self.bytes += (result["part"] or {}).get("bytes", 0)
         rate = self.tokens / max(self.elapsed, 1e-9)
-        tokens = (f"{self.tokens} tokens generated" if self.total_tokens is None
-                  else f"{self.tokens}/{self.total_tokens} tokens")
+        tokens = (
+            f"{self.tokens} tokens generated"
+            if self.total_tokens is None
+            else f"{self.tokens}/{self.total_tokens} tokens"
+        )
         line = f"{self.stage}: {self.rows}/{self.total_rows} conversations, {tokens}, {rate:.0f} tokens/s"
         if self.bytes:
             line += f", {self.bytes / 1e6:.1f} MB written"
@@ -83,8 +91,16 @@ class PartProgress:
         return time.perf_counter() - self.start
 
 
-def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: str, manifest: dict, progress: Any,
-                    what: str, constructor_kwargs: dict[str, Any]) -> None:
+def run_part_actors(
+    cfg: RunConfig,
+    actor: type,
+    parts: list[dict],
+    location: str,
+    manifest: dict,
+    progress: Any,
+    what: str,
+    constructor_kwargs: dict[str, Any],
+) -> None:
     """A Ray Data pool of ``features.num_actors`` ``actor``s (featurize's resources) writes one part
     per call; the driver records each finished part (``entry`` JSON: ``part``, ``skipped``) in
     ``location``'s manifest as it arrives, so a kill loses no finished part (featurize, regenerate)."""
@@ -96,9 +112,14 @@ def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: st
     ray.data.DataContext.get_current().wait_for_min_actors_s = 600
     # one block per part: each part is its own actor call, so finished parts stream back one by one
     dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
-        actor, batch_size=1, compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
-        num_cpus=cfg.features.cpus_per_actor, num_gpus=cfg.features.gpus_per_actor or None,
-        resources=cfg.features.resources or None, fn_constructor_kwargs=constructor_kwargs)
+        actor,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
+        num_cpus=cfg.features.cpus_per_actor,
+        num_gpus=cfg.features.gpus_per_actor or None,
+        resources=cfg.features.resources or None,
+        fn_constructor_kwargs=constructor_kwargs,
+    )
     try:
         for row in dataset.iter_rows():
             result = json.loads(row["entry"])
@@ -108,8 +129,10 @@ def run_part_actors(cfg: RunConfig, actor: type, parts: list[dict], location: st
             progress.update(result)
     except Exception as error:  # whatever stopped Ray, the manifest must say it is incomplete
         write_manifest(location, manifest)
-        raise RuntimeError(f"{what} stopped ({root_cause(error)}); finished parts are kept in {location}: rerun "
-                           "the same command to resume") from error
+        raise RuntimeError(
+            f"{what} stopped ({root_cause(error)}); finished parts are kept in {location}: rerun "
+            "the same command to resume"
+        ) from error
 
 
 def root_cause(error: BaseException) -> str:

@@ -49,7 +49,7 @@ def _pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), longest, dtype=torch.long)
     for b, prompt in enumerate(prompts):
-        ids[b, longest - len(prompt):], mask[b, longest - len(prompt):] = torch.tensor(prompt), 1
+        ids[b, longest - len(prompt) :], mask[b, longest - len(prompt) :] = torch.tensor(prompt), 1
     return ids, mask
 
 
@@ -77,19 +77,25 @@ class Regenerator:
         sampled = self.settings["temperature"] > 0
         torch.manual_seed(seed)
         out = self.target.model.generate(
-            input_ids=ids.to(self.target.device), attention_mask=mask.to(self.target.device),
-            max_new_tokens=max(1, min(self.settings["max_new_tokens"], room)), do_sample=sampled,
+            input_ids=ids.to(self.target.device),
+            attention_mask=mask.to(self.target.device),
+            max_new_tokens=max(1, min(self.settings["max_new_tokens"], room)),
+            do_sample=sampled,
             temperature=self.settings["temperature"] if sampled else None,
-            top_p=self.settings["top_p"] if sampled else None, top_k=None,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_id)[:, ids.shape[1]:].cpu()  # (B, N)
+            top_p=self.settings["top_p"] if sampled else None,
+            top_k=None,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+        )[:, ids.shape[1] :].cpu()  # (B, N)
         answers = []
         for row in out.tolist():
             stops = [i for i, token in enumerate(row) if token in self.stop_ids]
             answers.append((row[: stops[0]], True) if stops else (row, False))
         return answers
 
-    def answer(self, conversations: list[list[dict[str, str]]],
-               seed: int = 0) -> tuple[list[list[dict]], list[int], dict[str, int]]:
+    def answer(
+        self, conversations: list[list[dict[str, str]]], seed: int = 0
+    ) -> tuple[list[list[dict]], list[int], dict[str, int]]:
         """Every conversation's user turns answered in order, turn by turn across the conversations
         (a batch holds the same turn of several conversations). Returns the regenerated message
         lists (a conversation ends before a turn that would pass max_len, or whose answer is empty),
@@ -111,7 +117,7 @@ class Regenerator:
             order = sorted(prompts, key=lambda i: len(prompts[i]))  # similar lengths batch with little padding
             alive = []
             for start in range(0, len(order), settings["batch_size"]):
-                group = order[start: start + settings["batch_size"]]
+                group = order[start : start + settings["batch_size"]]
                 batch_seed = seed * 1_000_003 + turn * 1009 + start
                 for i, (tokens, stopped) in zip(group, self.generate([prompts[i] for i in group], batch_seed)):
                     text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -132,8 +138,14 @@ class PartRegenerator(PartActor):
 
     fault_env = FAULT_ENV
 
-    def __init__(self, target: dict[str, Any], settings: dict[str, Any], out: str, fingerprint: dict[str, Any],
-                 fail_after: int | None = None):
+    def __init__(
+        self,
+        target: dict[str, Any],
+        settings: dict[str, Any],
+        out: str,
+        fingerprint: dict[str, Any],
+        fail_after: int | None = None,
+    ):
         self.regenerator = Regenerator(target, settings)
         super().__init__(target_fingerprint(self.regenerator.target), fingerprint, fail_after)
         self.out = out
@@ -147,19 +159,35 @@ class PartRegenerator(PartActor):
         conversations = part["conversations"]
         messages, generated, counts = self.regenerator.answer([c["messages"] for c in conversations], part["seed"])
         answered = [any(m["role"] == "assistant" for m in turns) for turns in messages]
-        skipped = [{"sample_id": c["sample_id"], "reason": "no_answer", "where": c["where"],
-                    "detail": "no user turn fit data.max_len with a non-empty answer"}
-                   for c, ok in zip(conversations, answered) if not ok]
+        skipped = [
+            {
+                "sample_id": c["sample_id"],
+                "reason": "no_answer",
+                "where": c["where"],
+                "detail": "no user turn fit data.max_len with a non-empty answer",
+            }
+            for c, ok in zip(conversations, answered)
+            if not ok
+        ]
         kept = [i for i, ok in enumerate(answered) if ok]
         entry = None
         if kept:
-            table = pa.table({"sample_id": pa.array([conversations[i]["sample_id"] for i in kept], pa.string()),
-                              "seq_len": pa.array([generated[i] for i in kept], pa.int32()),  # generated tokens
-                              "where": pa.array([conversations[i]["where"] for i in kept], pa.string()),
-                              "messages": pa.array([json.dumps(messages[i], ensure_ascii=False) for i in kept])})
+            table = pa.table(
+                {
+                    "sample_id": pa.array([conversations[i]["sample_id"] for i in kept], pa.string()),
+                    "seq_len": pa.array([generated[i] for i in kept], pa.int32()),  # generated tokens
+                    "where": pa.array([conversations[i]["where"] for i in kept], pa.string()),
+                    "messages": pa.array([json.dumps(messages[i], ensure_ascii=False) for i in kept]),
+                }
+            )
             entry = write_part(self.out, name, table)
-        return {"part": entry, "skipped": skipped, "rows": len(part["conversations"]), **counts,
-                "seconds": time.perf_counter() - started}
+        return {
+            "part": entry,
+            "skipped": skipped,
+            "rows": len(part["conversations"]),
+            **counts,
+            "seconds": time.perf_counter() - started,
+        }
 
 
 def plan_parts(conversations: list[Conversation], cfg: RunConfig) -> list[dict[str, Any]]:
@@ -167,33 +195,62 @@ def plan_parts(conversations: list[Conversation], cfg: RunConfig) -> list[dict[s
     its first conversation (a resumed run samples a part the same way whatever ran before it)."""
     size, parts = cfg.regenerate.conversations_per_part, []
     for start in range(0, len(conversations), size):
-        chunk = conversations[start: start + size]
+        chunk = conversations[start : start + size]
         seed = int(hashlib.sha256(f"{cfg.regenerate.seed}:{chunk[0].sample_id}".encode()).hexdigest()[:8], 16)
-        parts.append({"seed": seed, "conversations": [{"sample_id": c.sample_id, "where": c.where,
-                                                       "messages": list(c.messages)} for c in chunk]})
+        parts.append(
+            {
+                "seed": seed,
+                "conversations": [
+                    {"sample_id": c.sample_id, "where": c.where, "messages": list(c.messages)} for c in chunk
+                ],
+            }
+        )
     return parts
 
 
 def capture_key(cfg: RunConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
     """What every part of one regenerated set must share: the target, the sampling and the prompts' source."""
     settings = cfg.regenerate
-    return {**fingerprint, "kind": KIND, "source": settings.source, "format": cfg.data.format,
-            "system_prompt": cfg.data.system_prompt, "temperature": settings.temperature,
-            "top_p": settings.top_p if settings.temperature > 0 else 1.0, "max_new_tokens": settings.max_new_tokens,
-            "max_len": cfg.data.max_len}
+    return {
+        **fingerprint,
+        "kind": KIND,
+        "source": settings.source,
+        "format": cfg.data.format,
+        "system_prompt": cfg.data.system_prompt,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p if settings.temperature > 0 else 1.0,
+        "max_new_tokens": settings.max_new_tokens,
+        "max_len": cfg.data.max_len,
+    }
 
 
-
-
-def _regenerate_parts(cfg: RunConfig, parts: list[dict], fingerprint: dict, manifest: dict, progress: PartProgress) -> None:
+def _regenerate_parts(
+    cfg: RunConfig, parts: list[dict], fingerprint: dict, manifest: dict, progress: PartProgress
+) -> None:
     ensure_ray(cfg)
-    settings = {"temperature": cfg.regenerate.temperature, "top_p": cfg.regenerate.top_p,
-                "max_new_tokens": cfg.regenerate.max_new_tokens, "batch_size": cfg.regenerate.batch_size,
-                "max_len": cfg.data.max_len}
-    run_part_actors(cfg, PartRegenerator, [{"part": json.dumps(part)} for part in parts], cfg.regenerated_path,
-                    manifest, progress, "regeneration",
-                    dict(target=cfg.target.model_dump(), settings=settings, out=cfg.regenerated_path,
-                         fingerprint=fingerprint, fail_after=injected_failure(FAULT_ENV)))
+    settings = {
+        "temperature": cfg.regenerate.temperature,
+        "top_p": cfg.regenerate.top_p,
+        "max_new_tokens": cfg.regenerate.max_new_tokens,
+        "batch_size": cfg.regenerate.batch_size,
+        "max_len": cfg.data.max_len,
+    }
+    run_part_actors(
+        cfg,
+        PartRegenerator,
+        [{"part": json.dumps(part)} for part in parts],
+        cfg.regenerated_path,
+        manifest,
+        progress,
+        "regeneration",
+        dict(
+            target=cfg.target.model_dump(),
+            settings=settings,
+            out=cfg.regenerated_path,
+            fingerprint=fingerprint,
+            fail_after=injected_failure(FAULT_ENV),
+        ),
+    )
 
 
 def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
@@ -207,23 +264,40 @@ def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
     try:
         manifest, done = open_for_writing(cfg.regenerated_path, capture_key(cfg, fingerprint), cfg.resolved())
     except ValueError as error:
-        raise ValueError(f"regenerated set {cfg.regenerated_path} was made differently ({error}); set "
-                         "regenerate.output to a new location or delete the old set") from None
+        raise ValueError(
+            f"regenerated set {cfg.regenerated_path} was made differently ({error}); set "
+            "regenerate.output to a new location or delete the old set"
+        ) from None
     carried = [s for s in manifest["skipped"] if s["reason"] == "no_answer"]
     done |= {s["sample_id"] for s in carried}
     manifest["skipped"], manifest["selected"], manifest["kind"] = ledger.entries + carried, len(conversations), KIND
     todo = [c for c in conversations if c.sample_id not in done]
-    logger.info("regenerate: %d conversations selected, %d already in %s, %d to do; skipped: %s", len(conversations),
-                len(conversations) - len(todo), cfg.regenerated_path, len(todo), ledger.counts())
+    logger.info(
+        "regenerate: %d conversations selected, %d already in %s, %d to do; skipped: %s",
+        len(conversations),
+        len(conversations) - len(todo),
+        cfg.regenerated_path,
+        len(todo),
+        ledger.counts(),
+    )
     progress = PartProgress("regenerate", len(todo))
     if todo:
         _regenerate_parts(cfg, plan_parts(todo, cfg), fingerprint, manifest, progress)
         progress.console.close(f"{progress.tokens} tokens generated")
     manifest["complete"] = progress.rows == len(todo)
     write_manifest(cfg.regenerated_path, manifest)
-    console.say(f"[regenerate] {cfg.regenerated_path}: {manifest['totals']['rows']} conversations"
-                f"{'' if todo else ' (already complete)'}")
+    console.say(
+        f"[regenerate] {cfg.regenerated_path}: {manifest['totals']['rows']} conversations"
+        f"{'' if todo else ' (already complete)'}"
+    )
     elapsed = time.perf_counter() - progress.start
-    return {"output": cfg.regenerated_path, "complete": manifest["complete"], "rows": manifest["totals"]["rows"],
-            "new_rows": progress.rows, "new_tokens": progress.tokens, "seconds": round(elapsed, 2),
-            "tokens_per_s": round(progress.tokens / max(elapsed, 1e-9), 1), "skipped": Ledger(manifest["skipped"]).counts()}
+    return {
+        "output": cfg.regenerated_path,
+        "complete": manifest["complete"],
+        "rows": manifest["totals"]["rows"],
+        "new_rows": progress.rows,
+        "new_tokens": progress.tokens,
+        "seconds": round(elapsed, 2),
+        "tokens_per_s": round(progress.tokens / max(elapsed, 1e-9), 1),
+        "skipped": Ledger(manifest["skipped"]).counts(),
+    }

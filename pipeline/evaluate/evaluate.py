@@ -60,6 +60,7 @@ Method = Callable[[list[dict[str, str]], list[int], SamplingConfig, int, int], O
 
 def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None = None) -> Method:
     """Our decoder in this process: speculative with ``draft`` and ``tree``, vanilla without."""
+
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
         generator = torch.Generator(device=target.device).manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
@@ -73,8 +74,16 @@ def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None
         if draft is None:
             return Output(text, len(result.tokens), seconds, result.tokens)
         stats = result.stats
-        return Output(text, len(result.tokens), seconds, result.tokens, stats.accepted_per_round,
-                      stats.draft_time, stats.verify_time)
+        return Output(
+            text,
+            len(result.tokens),
+            seconds,
+            result.tokens,
+            stats.accepted_per_round,
+            stats.draft_time,
+            stats.verify_time,
+        )
+
     return run
 
 
@@ -84,8 +93,13 @@ def hf_decoder(target: Any, **generate_kwargs: Any) -> Method:
 
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
         ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
-        kwargs = dict(max_new_tokens=max_new, eos_token_id=target.stop_token_ids, pad_token_id=pad,
-                      attention_mask=torch.ones_like(ids), **generate_kwargs)
+        kwargs = dict(
+            max_new_tokens=max_new,
+            eos_token_id=target.stop_token_ids,
+            pad_token_id=pad,
+            attention_mask=torch.ones_like(ids),
+            **generate_kwargs,
+        )
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:  # top_k=0: off, as in our sampler (HF's default would be 50)
@@ -93,10 +107,11 @@ def hf_decoder(target: Any, **generate_kwargs: Any) -> Method:
         torch.manual_seed(seed)
         start = time.perf_counter()
         with torch.inference_mode():
-            tokens = target.model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+            tokens = target.model.generate(ids, **kwargs)[0, ids.shape[1] :].tolist()
         seconds = time.perf_counter() - start
         text = completion_text(target.tokenizer, tokens, target.stop_token_ids, [])[0]
         return Output(text, len(tokens), seconds, tokens)
+
     return run
 
 
@@ -104,10 +119,18 @@ def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
     """The Serve endpoint; ``speculative=False`` asks it to decode without the draft. The endpoint
     returns the emitted token ids (``return_token_ids``), so a T=0 divergence is located at the token
     level with its logit gap (``first_divergence``) in through_serve mode too."""
+
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
-        body = {"messages": messages, "max_tokens": max_new, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed, "speculative": speculative,
-                "return_token_ids": True}
+        body = {
+            "messages": messages,
+            "max_tokens": max_new,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "seed": seed,
+            "speculative": speculative,
+            "return_token_ids": True,
+        }
         start = time.perf_counter()
         response = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
         seconds = time.perf_counter() - start
@@ -115,9 +138,14 @@ def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
             raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
         data = response.json()
         spec = data["speculative"]
-        return Output(data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"], seconds,
-                      tokens=spec.get("token_ids"),  # absent from a server that predates return_token_ids
-                      accepted_per_round=spec["accepted_per_round"] if spec["enabled"] else None)
+        return Output(
+            data["choices"][0]["message"]["content"],
+            data["usage"]["completion_tokens"],
+            seconds,
+            tokens=spec.get("token_ids"),  # absent from a server that predates return_token_ids
+            accepted_per_round=spec["accepted_per_round"] if spec["enabled"] else None,
+        )
+
     return run
 
 
@@ -131,8 +159,9 @@ def load_drafts(cfg: RunConfig, target: Any, draft: Any) -> dict[str, Any]:
     return drafts
 
 
-def build_methods(cfg: RunConfig, target: Any, drafts: dict[str, Any],
-                  draft_uri: str | None) -> tuple[dict[str, Method], bool]:
+def build_methods(
+    cfg: RunConfig, target: Any, drafts: dict[str, Any], draft_uri: str | None
+) -> tuple[dict[str, Method], bool]:
     """Methods in report order, and whether this call started Serve (through_serve with none running)."""
     evaluation, started = cfg.eval, False
     if evaluation.through_serve:
@@ -161,16 +190,26 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
     if draft_uri is None:
         raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
     # a deployment this call starts decodes with the evaluation tree, the tree the report names
-    serving = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft_uri": draft_uri}),
-                                     "decode": cfg.decode.model_copy(update={"tree": cfg.eval_tree})})
+    serving = cfg.model_copy(
+        update={
+            "serve": cfg.serve.model_copy(update={"draft_uri": draft_uri}),
+            "decode": cfg.decode.model_copy(update={"tree": cfg.eval_tree}),
+        }
+    )
     url, started = ensure_serving(serving)
     client = httpx.Client()
     served = client.get(f"{url}/v1/models").json()["data"][0]
     if served["draft"] != draft_uri:
-        logger.warning("%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served["draft"], draft_uri)
+        logger.warning(
+            "%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served["draft"], draft_uri
+        )
     if served["tree"] != cfg.eval_tree.model_dump():
-        logger.warning("%s decodes with tree %s, not the evaluation tree %s: the endpoint numbers are that tree's",
-                       url, served["tree"], cfg.eval_tree.model_dump())
+        logger.warning(
+            "%s decodes with tree %s, not the evaluation tree %s: the endpoint numbers are that tree's",
+            url,
+            served["tree"],
+            cfg.eval_tree.model_dump(),
+        )
     methods = {"griffin": endpoint_decoder(client, url, True), "vanilla": endpoint_decoder(client, url, False)}
     return methods, started
 
@@ -184,18 +223,28 @@ def _stock(cfg: RunConfig, target: Any) -> Any:
 def _assistant(cfg: RunConfig, target: Any) -> Any:
     """The smaller model for HF assisted generation; it must share the target's tokenizer."""
     if not cfg.eval.assistant_model:
-        raise ValueError("eval.baselines lists hf_assisted but eval.assistant_model is not set: name a smaller "
-                         "model with the target's tokenizer (e.g. qwen2.5-coder-0.5b-instruct) or drop hf_assisted")
-    assistant = load_target(TargetSection(name=cfg.eval.assistant_model, dtype=cfg.target.dtype,
-                                          device=cfg.target.device))
+        raise ValueError(
+            "eval.baselines lists hf_assisted but eval.assistant_model is not set: name a smaller "
+            "model with the target's tokenizer (e.g. qwen2.5-coder-0.5b-instruct) or drop hf_assisted"
+        )
+    assistant = load_target(
+        TargetSection(name=cfg.eval.assistant_model, dtype=cfg.target.dtype, device=cfg.target.device)
+    )
     if assistant.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"eval.assistant_model {cfg.eval.assistant_model!r} does not share the target's tokenizer")
     return assistant
 
 
-def evaluate_dataset(name: str, questions: list[dict], temperature: float, methods: dict[str, Method],
-                     cfg: RunConfig, target: Any, progress: Progress | None = None,
-                     ledger: "EvalLedger | None" = None) -> list[dict[str, Any]]:
+def evaluate_dataset(
+    name: str,
+    questions: list[dict],
+    temperature: float,
+    methods: dict[str, Method],
+    cfg: RunConfig,
+    target: Any,
+    progress: Progress | None = None,
+    ledger: "EvalLedger | None" = None,
+) -> list[dict[str, Any]]:
     """Every turn of every question through every method, interleaved; one record per generation.
     ``progress`` counts question turns; a question already in ``ledger`` is taken from it, and each
     finished question is added to it."""
@@ -208,15 +257,19 @@ def evaluate_dataset(name: str, questions: list[dict], temperature: float, metho
                 progress.update(progress.done + len(question["turns"]), f"{name} T={temperature:g} (resumed)")
             continue
         first = len(records)
-        order = names[index % len(names):] + names[: index % len(names)]
+        order = names[index % len(names) :] + names[: index % len(names)]
         messages: list[dict[str, str]] = []
         for turn, user_text in enumerate(question["turns"]):
             messages.append({"role": "user", "content": user_text})
             prompt_ids = render_chat(target.tokenizer, messages)
             max_new = min(cfg.eval.max_new_tokens, target.max_context - len(prompt_ids))
             if max_new < 1:
-                logger.warning("%s question %s turn %d: the prompt fills the context; skipped",
-                               name, question["question_id"], turn + 1)
+                logger.warning(
+                    "%s question %s turn %d: the prompt fills the context; skipped",
+                    name,
+                    question["question_id"],
+                    turn + 1,
+                )
                 break
             seed = cfg.eval.seed + 1000 * turn + index
             outputs = {method: methods[method](messages, prompt_ids, sampling, max_new, seed) for method in order}
@@ -225,15 +278,34 @@ def evaluate_dataset(name: str, questions: list[dict], temperature: float, metho
                 if temperature == 0 and out.accepted_per_round is not None and _differs(out, outputs["vanilla"]):
                     divergence = first_divergence(target, prompt_ids, out, outputs["vanilla"])
                     log = logger.warning if divergence["near_tie"] else logger.error
-                    log("%s question %s turn %d: %s differs from vanilla at T=0: %s", name,
-                        question["question_id"], turn + 1, method, divergence)
-                records.append({"dataset": name, "temperature": temperature, "question_id": question["question_id"],
-                                "turn": turn + 1, "method": method, "prompt_tokens": len(prompt_ids),
-                                "new_tokens": out.new_tokens, "seconds": out.seconds,
-                                "tokens_per_s": out.new_tokens / out.seconds, "text": out.text, "tokens": out.tokens,
-                                "accepted_per_round": out.accepted_per_round, "draft_seconds": out.draft_seconds,
-                                "verify_seconds": out.verify_seconds, "mismatch": divergence is not None,
-                                "divergence": divergence})
+                    log(
+                        "%s question %s turn %d: %s differs from vanilla at T=0: %s",
+                        name,
+                        question["question_id"],
+                        turn + 1,
+                        method,
+                        divergence,
+                    )
+                records.append(
+                    {
+                        "dataset": name,
+                        "temperature": temperature,
+                        "question_id": question["question_id"],
+                        "turn": turn + 1,
+                        "method": method,
+                        "prompt_tokens": len(prompt_ids),
+                        "new_tokens": out.new_tokens,
+                        "seconds": out.seconds,
+                        "tokens_per_s": out.new_tokens / out.seconds,
+                        "text": out.text,
+                        "tokens": out.tokens,
+                        "accepted_per_round": out.accepted_per_round,
+                        "draft_seconds": out.draft_seconds,
+                        "verify_seconds": out.verify_seconds,
+                        "mismatch": divergence is not None,
+                        "divergence": divergence,
+                    }
+                )
             messages.append({"role": "assistant", "content": outputs["griffin"].text})
             if progress is not None:
                 progress.update(progress.done + 1, f"{name} T={temperature:g}")
@@ -264,8 +336,14 @@ class EvalLedger:
             logger.warning("%s: an unfinished evaluation with other settings, target or drafts; starting over", path)
         # rewritten without a cut-short tail before anything is appended
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(entry) + "\n" for entry in [{"key": key}] + [
-            {"dataset": d, "temperature": t, "index": i, "records": r} for (d, t, i), r in self.done.items()]))
+        atomic_write_text(
+            path,
+            "".join(
+                json.dumps(entry) + "\n"
+                for entry in [{"key": key}]
+                + [{"dataset": d, "temperature": t, "index": i, "records": r} for (d, t, i), r in self.done.items()]
+            ),
+        )
 
     @property
     def resumed(self) -> int:
@@ -276,8 +354,9 @@ class EvalLedger:
 
     def add(self, dataset: str, temperature: float, index: int, records: list[dict[str, Any]]) -> None:
         with open(self.path, "a") as out:
-            out.write(json.dumps({"dataset": dataset, "temperature": temperature, "index": index,
-                                  "records": records}) + "\n")
+            out.write(
+                json.dumps({"dataset": dataset, "temperature": temperature, "index": index, "records": records}) + "\n"
+            )
             out.flush()
             os.fsync(out.fileno())
 
@@ -296,9 +375,12 @@ def eval_key(cfg: RunConfig, target: Any, drafts: dict[str, Any]) -> str:
     """What decides an evaluation's results: the whole config, the target's weights, every draft's
     weights (an alias such as @candidate may point at new weights between two runs) and the machine
     (the speeds are this machine's)."""
-    identity = {"config": cfg.model_dump(mode="json"), "target": target_fingerprint(target)["target_weights_sha256"],
-                "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()},
-                "machine": machine_identity()}
+    identity = {
+        "config": cfg.model_dump(mode="json"),
+        "target": target_fingerprint(target)["target_weights_sha256"],
+        "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()},
+        "machine": machine_identity(),
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -322,15 +404,22 @@ def first_divergence(target: Any, prompt_ids: list[int], spec: Output, vanilla: 
     gap is unknown and the divergence is reported as not a near-tie."""
     if spec.tokens is None or vanilla.tokens is None:
         return {"index": None, "gap": None, "near_tie": False}
-    index = next((k for k, (a, b) in enumerate(zip(spec.tokens, vanilla.tokens)) if a != b),
-                 min(len(spec.tokens), len(vanilla.tokens)))
+    index = next(
+        (k for k, (a, b) in enumerate(zip(spec.tokens, vanilla.tokens)) if a != b),
+        min(len(spec.tokens), len(vanilla.tokens)),
+    )
     if index >= min(len(spec.tokens), len(vanilla.tokens)):  # one stopped where the other went on
         return {"index": index, "gap": None, "near_tie": False}
     ids = torch.tensor([prompt_ids + vanilla.tokens[:index]], device=target.device)  # (1, T)
     _, logits = target.forward(ids, target.new_cache(ids.shape[1]), all_logits=False)  # (1, 1, V)
     gap = abs(float(logits[0, -1, vanilla.tokens[index]] - logits[0, -1, spec.tokens[index]]))
-    return {"index": index, "gap": round(gap, 4), "near_tie": gap <= NEAR_TIE_LOGITS,
-            "spec_token": spec.tokens[index], "vanilla_token": vanilla.tokens[index]}
+    return {
+        "index": index,
+        "gap": round(gap, 4),
+        "near_tie": gap <= NEAR_TIE_LOGITS,
+        "spec_token": spec.tokens[index],
+        "vanilla_token": vanilla.tokens[index],
+    }
 
 
 def _differs(spec: Output, vanilla: Output) -> bool:
@@ -367,8 +456,12 @@ def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) ->
         logger.warning("resuming an unfinished evaluation: %d questions done in an earlier run", ledger.resumed)
     try:
         _warm_up(methods, target, cfg)
-        records = [record for name, items in questions.items() for temperature in cfg.eval.temperatures
-                   for record in evaluate_dataset(name, items, temperature, methods, cfg, target, progress, ledger)]
+        records = [
+            record
+            for name, items in questions.items()
+            for temperature in cfg.eval.temperatures
+            for record in evaluate_dataset(name, items, temperature, methods, cfg, target, progress, ledger)
+        ]
     finally:
         if started:
             from pipeline.serve.app import stop_serve

@@ -49,8 +49,10 @@ def _call(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     start = time.perf_counter()
     outcome: dict[str, Any] = {"status": None, "latency": None, "ttft": None, "tokens": 0, "error": None}
     try:
-        with httpx.Client(timeout=timeout) as client, client.stream("POST", f"{url}/v1/chat/completions",
-                                                                    json=body) as response:
+        with (
+            httpx.Client(timeout=timeout) as client,
+            client.stream("POST", f"{url}/v1/chat/completions", json=body) as response,
+        ):
             outcome["status"] = response.status_code
             if response.status_code != 200:
                 response.read()
@@ -78,16 +80,22 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def _one_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-               budget_s: float, speculative: bool) -> dict[str, Any]:
+def _one_level(
+    url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int, budget_s: float, speculative: bool
+) -> dict[str, Any]:
     deadline = time.perf_counter() + budget_s
 
     def call(i: int) -> dict[str, Any] | None:
         if time.perf_counter() > deadline:
             return None  # skipped for time
-        body = {"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
-                "temperature": 0.0, "speculative": speculative, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "speculative": speculative,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         return _call(url, body, budget_s)
 
     start = time.perf_counter()
@@ -100,37 +108,58 @@ def _one_level(url: str, prompts: list[str], concurrency: int, requests: int, ma
     errors = [r for r in done if r not in ok and r not in shed]
     latencies, ttfts = [r["latency"] for r in ok], [r["ttft"] for r in ok]
     return {
-        "mode": "speculative" if speculative else "vanilla", "concurrency": concurrency, "requests": len(done),
-        "skipped_for_time": len(results) - len(done), "ok": len(ok), "shed": len(shed),
-        "shed_rate": len(shed) / len(done) if done else 0.0, "errors": len(errors),
-        "error_examples": sorted({r["error"] for r in errors})[:3], "wall_s": wall,
-        "requests_per_s": len(ok) / wall, "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
-        "latency_p50_s": _percentile(latencies, 50), "latency_p95_s": _percentile(latencies, 95),
-        "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
+        "mode": "speculative" if speculative else "vanilla",
+        "concurrency": concurrency,
+        "requests": len(done),
+        "skipped_for_time": len(results) - len(done),
+        "ok": len(ok),
+        "shed": len(shed),
+        "shed_rate": len(shed) / len(done) if done else 0.0,
+        "errors": len(errors),
+        "error_examples": sorted({r["error"] for r in errors})[:3],
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "latency_p50_s": _percentile(latencies, 50),
+        "latency_p95_s": _percentile(latencies, 95),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p95_s": _percentile(ttfts, 95),
     }
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    lines = [f"# Serve load test: {result['url']}", "",
-             f"{result['max_tokens']} max tokens per request, greedy, streamed; latency and TTFT (first text "
-             "chunk) are client-side wall times; shed = refused for capacity (503/429 + Retry-After).",
-             "", "| mode | concurrency | requests | shed rate | errors | requests/s | tokens/s | p50 s | p95 s | "
-             "TTFT p50 s | TTFT p95 s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# Serve load test: {result['url']}",
+        "",
+        f"{result['max_tokens']} max tokens per request, greedy, streamed; latency and TTFT (first text "
+        "chunk) are client-side wall times; shed = refused for capacity (503/429 + Retry-After).",
+        "",
+        "| mode | concurrency | requests | shed rate | errors | requests/s | tokens/s | p50 s | p95 s | "
+        "TTFT p50 s | TTFT p95 s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
 
     def cell(value: float | None) -> str:
         return f"{value:.3f}" if value is not None else "-"
+
     for level in result["levels"]:
-        lines.append(f"| {level['mode']} | {level['concurrency']} | {level['requests']} | {level['shed_rate']:.0%} | "
-                     f"{level['errors']} | {level['requests_per_s']:.2f} | {level['tokens_per_s']:.1f} | "
-                     f"{cell(level['latency_p50_s'])} | {cell(level['latency_p95_s'])} | "
-                     f"{cell(level['ttft_p50_s'])} | {cell(level['ttft_p95_s'])} |")
+        lines.append(
+            f"| {level['mode']} | {level['concurrency']} | {level['requests']} | {level['shed_rate']:.0%} | "
+            f"{level['errors']} | {level['requests_per_s']:.2f} | {level['tokens_per_s']:.1f} | "
+            f"{cell(level['latency_p50_s'])} | {cell(level['latency_p95_s'])} | "
+            f"{cell(level['ttft_p50_s'])} | {cell(level['ttft_p95_s'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def run_bench_serve(cfg: RunConfig, levels: tuple[int, ...] = LEVELS, requests_per_level: int | None = None,
-                    max_tokens: int | None = None, budget_s: float = 120.0,
-                    modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+def run_bench_serve(
+    cfg: RunConfig,
+    levels: tuple[int, ...] = LEVELS,
+    requests_per_level: int | None = None,
+    max_tokens: int | None = None,
+    budget_s: float = 120.0,
+    modes: tuple[str, ...] = MODES,
+) -> dict[str, Any]:
     """Load-test the endpoint in each of ``modes`` ("speculative" needs a served draft: skipped
     without one); ``requests_per_level`` defaults to 2 x concurrency (at least 4)."""
     import httpx
@@ -147,19 +176,30 @@ def run_bench_serve(cfg: RunConfig, levels: tuple[int, ...] = LEVELS, requests_p
     try:
         has_draft = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["speculative"]
         prompts = _prompts(cfg, 8)
-        runs = [_one_level(url, prompts, c, requests_per_level or max(4, 2 * c), max_tokens, budget_s,
-                           mode == "speculative")
-                for mode in modes if mode == "vanilla" or has_draft for c in levels]
+        runs = [
+            _one_level(
+                url, prompts, c, requests_per_level or max(4, 2 * c), max_tokens, budget_s, mode == "speculative"
+            )
+            for mode in modes
+            if mode == "vanilla" or has_draft
+            for c in levels
+        ]
     finally:
         if started:
             stop_serve()
-    result = {"url": url, "max_tokens": max_tokens, "levels": runs, "errors": sum(r["errors"] for r in runs),
-              "shed": sum(r["shed"] for r in runs)}
+    result = {
+        "url": url,
+        "max_tokens": max_tokens,
+        "levels": runs,
+        "errors": sum(r["errors"] for r in runs),
+        "shed": sum(r["shed"] for r in runs),
+    }
     out_dir = Path(cfg.run_dir) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve_load.json").write_text(json.dumps({**result, "config": cfg.resolved()}, indent=2))
     (out_dir / "serve_load.md").write_text(_markdown(result))
     if result["errors"]:
-        raise RuntimeError(f"bench-serve: {result['errors']} requests failed against {url}; "
-                           f"see {out_dir / 'serve_load.json'}")
+        raise RuntimeError(
+            f"bench-serve: {result['errors']} requests failed against {url}; see {out_dir / 'serve_load.json'}"
+        )
     return result

@@ -19,24 +19,24 @@ from griffin.decode import acceptance_length
 
 DEFINITIONS = {
     "tau": "acceptance length: tokens committed per target verification pass, bonus token included: "
-           "tau = sum over rounds (accepted + 1) / rounds, pooled over every round of every generation "
-           "(the exact definition; not GRIFFIN's script, which divides by rounds - 1)",
+    "tau = sum over rounds (accepted + 1) / rounds, pooled over every round of every generation "
+    "(the exact definition; not GRIFFIN's script, which divides by rounds - 1)",
     "per_position_acceptance": "alpha_k = #rounds accepting >= k draft tokens / #rounds accepting >= k-1",
     "acceptance_histogram": "count of rounds by draft tokens accepted (0..depth); committed = accepted + 1",
     "tokens_per_s": "new tokens (stop token included) / wall time of the whole generation call, prefill "
-                    "included; the median over generations (question x turn)",
+    "included; the median over generations (question x turn)",
     "speedup": "median tokens/s of GRIFFIN / median tokens/s of the baseline, over the same generations: "
-               "a ratio of medians (EAGLE's speed.py uses a ratio of means)",
+    "a ratio of medians (EAGLE's speed.py uses a ratio of means)",
     "mismatches": "T=0 generations where a speculative method's output differs from vanilla decoding; each "
-                  "with the first divergent position and the target's top-two logit gap there",
+    "with the first divergent position and the target's top-two logit gap there",
     "violations": "mismatches that are not bf16 near-ties (gap > 0.25 logits): must be 0",
     "draft_ms_per_round": "in-process speculative methods: wall time of drafting (catch-up on the committed "
-                          "tokens + the tree's levels) over all generations / rounds; verify_ms_per_round the "
-                          "same for the target's verify pass with acceptance and KV compaction",
+    "tokens + the tree's levels) over all generations / rounds; verify_ms_per_round the "
+    "same for the target's verify pass with acceptance and KV compaction",
     "protocol": "per dataset and temperature, each question turn is decoded by every method back to back "
-                "(order rotated per question) with the same prompt, max_new_tokens, sampling and seed; "
-                "MT-Bench turn 2 carries GRIFFIN's turn-1 answer for every method; one untimed warm-up "
-                "generation per method; batch 1",
+    "(order rotated per question) with the same prompt, max_new_tokens, sampling and seed; "
+    "MT-Bench turn 2 carries GRIFFIN's turn-1 answer for every method; one untimed warm-up "
+    "generation per method; batch 1",
 }
 
 
@@ -45,8 +45,9 @@ def _acceptance(accepted: list[int], depth: int) -> dict[str, Any]:
     return {
         "rounds": len(accepted),
         "tau": acceptance_length(accepted),
-        "per_position_acceptance": [reached[k] / reached[k - 1] if reached[k - 1] else None
-                                    for k in range(1, depth + 1)],
+        "per_position_acceptance": [
+            reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, depth + 1)
+        ],
         "acceptance_histogram": [sum(1 for a in accepted if a == k) for k in range(depth + 1)],
     }
 
@@ -57,16 +58,20 @@ def _round_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
     rounds = sum(len(r["accepted_per_round"]) for r in rows)
     if not rounds or any(r.get("draft_seconds") is None for r in rows):
         return {}
-    return {f"{part}_ms_per_round": 1000 * sum(r[f"{part}_seconds"] for r in rows) / rounds
-            for part in ("draft", "verify")}
+    return {
+        f"{part}_ms_per_round": 1000 * sum(r[f"{part}_seconds"] for r in rows) / rounds for part in ("draft", "verify")
+    }
 
 
 def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
-        entry = {"generations": len(mine), "new_tokens": sum(r["new_tokens"] for r in mine),
-                 "tokens_per_s_median": median(r["tokens_per_s"] for r in mine)}
+        entry = {
+            "generations": len(mine),
+            "new_tokens": sum(r["new_tokens"] for r in mine),
+            "tokens_per_s_median": median(r["tokens_per_s"] for r in mine),
+        }
         if mine and mine[0]["accepted_per_round"] is not None:
             entry.update(_acceptance([a for r in mine for a in r["accepted_per_round"]], depth))
             entry.update(_round_cost(mine))
@@ -76,11 +81,12 @@ def _group(rows: list[dict[str, Any]], methods: list[str], depth: int) -> dict[s
     for method, entry in stats.items():  # other drafts against the same vanilla (the paper's table)
         if "tau" in entry:
             entry["speedup_vs_vanilla"] = entry["tokens_per_s_median"] / stats["vanilla"]["tokens_per_s_median"]
-    mismatches = [{"method": r["method"], "question_id": r["question_id"], "turn": r["turn"], **r["divergence"]}
-                  for r in rows if r["mismatch"]]
+    mismatches = [
+        {"method": r["method"], "question_id": r["question_id"], "turn": r["turn"], **r["divergence"]}
+        for r in rows
+        if r["mismatch"]
+    ]
     return {"methods": stats, "speedup": speedup, "mismatches": mismatches}
-
-
 
 
 def violations(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -89,9 +95,15 @@ def violations(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def hardware() -> dict[str, Any]:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_model": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -121,9 +133,12 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
     for (dataset, temperature), rows in groups.items():
         key = f"{Path(dataset).stem}/T{temperature:g}"
         result = results[key] = _group(rows, methods, cfg.eval_tree.depth)
-        summary[key] = {"tau": result["methods"]["griffin"]["tau"], "speedup": result["speedup"],
-                        "tokens_per_s": {m: s["tokens_per_s_median"] for m, s in result["methods"].items()},
-                        "mismatches": len(result["mismatches"])}
+        summary[key] = {
+            "tau": result["methods"]["griffin"]["tau"],
+            "speedup": result["speedup"],
+            "tokens_per_s": {m: s["tokens_per_s_median"] for m, s in result["methods"].items()},
+            "mismatches": len(result["mismatches"]),
+        }
         metrics[f"{key}/tau"] = summary[key]["tau"]
         metrics[f"{key}/mismatches"] = summary[key]["mismatches"]
         metrics[f"{key}/violations"] = summary[key]["violations"] = len(violations(result))
@@ -131,48 +146,84 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
         metrics.update({f"{key}/speedup/{m}": v for m, v in result["speedup"].items()})
         metrics.update({f"{key}/tau/{m}": e["tau"] for m, e in result["methods"].items() if "tau" in e})
     mode = "through_serve" if cfg.eval.through_serve else "in_process"
-    return {"definitions": DEFINITIONS, "mode": mode, "target": target.name, "draft": draft_uri,
-            "tree": cfg.eval_tree.model_dump(), "draft_tokens_per_round": cfg.eval_tree.total_tokens - 1,
-            "hardware": hardware(), "config": cfg.resolved(), "results": results, "metrics": metrics,
-            "summary": {"mode": mode, "results": summary}}
+    return {
+        "definitions": DEFINITIONS,
+        "mode": mode,
+        "target": target.name,
+        "draft": draft_uri,
+        "tree": cfg.eval_tree.model_dump(),
+        "draft_tokens_per_round": cfg.eval_tree.total_tokens - 1,
+        "hardware": hardware(),
+        "config": cfg.resolved(),
+        "results": results,
+        "metrics": metrics,
+        "summary": {"mode": mode, "results": summary},
+    }
 
 
 def _markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Evaluation: {report['target']} with draft {report['draft']}", "",
-             f"Mode: {report['mode']}. Tree: {report['tree']} ({report['draft_tokens_per_round']} draft tokens "
-             f"per round). Hardware: {report['hardware']['processor']}, {report['hardware']['cpu_count']} CPUs, "
-             f"{report['hardware']['torch_threads']} torch threads.", "", "Definitions:", ""]
+    lines = [
+        f"# Evaluation: {report['target']} with draft {report['draft']}",
+        "",
+        f"Mode: {report['mode']}. Tree: {report['tree']} ({report['draft_tokens_per_round']} draft tokens "
+        f"per round). Hardware: {report['hardware']['processor']}, {report['hardware']['cpu_count']} CPUs, "
+        f"{report['hardware']['torch_threads']} torch threads.",
+        "",
+        "Definitions:",
+        "",
+    ]
     lines += [f"- **{name}**: {text}" for name, text in report["definitions"].items()]
     for key, result in report["results"].items():
-        lines += ["", f"## {key}", "", "| method | generations | median tokens/s | tau | speedup vs vanilla "
-                  "| GRIFFIN speedup over it | draft / verify ms per round |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            f"## {key}",
+            "",
+            "| method | generations | median tokens/s | tau | speedup vs vanilla "
+            "| GRIFFIN speedup over it | draft / verify ms per round |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for method, entry in result["methods"].items():
             tau = f"{entry['tau']:.3f}" if "tau" in entry else "-"
             own = f"{entry['speedup_vs_vanilla']:.2f}x" if "speedup_vs_vanilla" in entry else "-"
             speedup = f"{result['speedup'][method]:.2f}x" if method in result["speedup"] else "-"
-            cost = (f"{entry['draft_ms_per_round']:.1f} / {entry['verify_ms_per_round']:.1f}"
-                    if "draft_ms_per_round" in entry else "-")
-            lines.append(f"| {method} | {entry['generations']} | {entry['tokens_per_s_median']:.1f} | {tau} | {own} "
-                         f"| {speedup} | {cost} |")
+            cost = (
+                f"{entry['draft_ms_per_round']:.1f} / {entry['verify_ms_per_round']:.1f}"
+                if "draft_ms_per_round" in entry
+                else "-"
+            )
+            lines.append(
+                f"| {method} | {entry['generations']} | {entry['tokens_per_s_median']:.1f} | {tau} | {own} "
+                f"| {speedup} | {cost} |"
+            )
         alphas = result["methods"]["griffin"]["per_position_acceptance"]
-        lines += ["", "GRIFFIN per-position acceptance: "
-                  + ", ".join(f"a{k + 1}={a:.3f}" if a is not None else f"a{k + 1}=n/a" for k, a in enumerate(alphas)),
-                  "", f"Acceptance histogram (rounds by accepted 0..depth): "
-                  f"{result['methods']['griffin']['acceptance_histogram']}"]
+        lines += [
+            "",
+            "GRIFFIN per-position acceptance: "
+            + ", ".join(f"a{k + 1}={a:.3f}" if a is not None else f"a{k + 1}=n/a" for k, a in enumerate(alphas)),
+            "",
+            f"Acceptance histogram (rounds by accepted 0..depth): "
+            f"{result['methods']['griffin']['acceptance_histogram']}",
+        ]
         if bad := violations(result):
-            lines += ["", f"**LOSSLESSNESS VIOLATION: {len(bad)} T=0 generations differ from vanilla where the "
-                      f"target's choice was not a near-tie: {bad}**"]
+            lines += [
+                "",
+                f"**LOSSLESSNESS VIOLATION: {len(bad)} T=0 generations differ from vanilla where the "
+                f"target's choice was not a near-tie: {bad}**",
+            ]
         if ties := [m for m in result["mismatches"] if m["near_tie"]]:
-            lines += ["", f"{len(ties)} T=0 generations left vanilla's at a bf16 near-tie (top-two logit gap <= "
-                      f"{max(m['gap'] for m in ties):.3f}): the tree verify and the single-token step round "
-                      "differently, not an algorithmic difference (the fp32 tests check exact equality). "
-                      f"Where: {[(m['method'], m['question_id'], m['turn'], m['index']) for m in ties]}"]
+            lines += [
+                "",
+                f"{len(ties)} T=0 generations left vanilla's at a bf16 near-tie (top-two logit gap <= "
+                f"{max(m['gap'] for m in ties):.3f}): the tree verify and the single-token step round "
+                "differently, not an algorithmic difference (the fp32 tests check exact equality). "
+                f"Where: {[(m['method'], m['question_id'], m['turn'], m['index']) for m in ties]}",
+            ]
     return "\n".join(lines) + "\n"
 
 
-def _bar_chart(path: Path, title: str, ylabel: str, series: dict[str, dict[str, float]],
-               reference: float | None = None) -> None:
+def _bar_chart(
+    path: Path, title: str, ylabel: str, series: dict[str, dict[str, float]], reference: float | None = None
+) -> None:
     """Grouped bars: one group per dataset x temperature, one bar per method."""
     from matplotlib.figure import Figure
 
@@ -221,8 +272,13 @@ def write_reports(eval_dir: Path, report: dict[str, Any], records: list[dict[str
     results = report["results"]
     taus = {k: {m: e["tau"] for m, e in r["methods"].items() if "tau" in e} for k, r in results.items()}
     _bar_chart(eval_dir / "tau.png", "Acceptance length tau (bonus token included)", "tau", taus)
-    _bar_chart(eval_dir / "speedup.png", "GRIFFIN speedup over each baseline (ratio of median tokens/s)",
-               "speedup (x)", {k: r["speedup"] for k, r in results.items()}, reference=1.0)
+    _bar_chart(
+        eval_dir / "speedup.png",
+        "GRIFFIN speedup over each baseline (ratio of median tokens/s)",
+        "speedup (x)",
+        {k: r["speedup"] for k, r in results.items()},
+        reference=1.0,
+    )
     _histogram(eval_dir / "acceptance_histogram.png", results)
     return eval_dir
 
@@ -262,8 +318,9 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
             client = mlflow.MlflowClient()
             for key, value in report["metrics"].items():
                 if key.endswith(f"/tau/{label}"):
-                    client.set_model_version_tag(name, number, f"eval.{key.removesuffix(f'/{label}').replace('/', '.')}",
-                                                 f"{value:.4f}")
+                    client.set_model_version_tag(
+                        name, number, f"eval.{key.removesuffix(f'/{label}').replace('/', '.')}", f"{value:.4f}"
+                    )
             client.set_model_version_tag(name, number, "eval_run_id", run.info.run_id)
             client.set_model_version_tag(name, number, "eval_tree", f"{tree.total_tokens}/{tree.depth}/{tree.top_k}")
             # a real T=0 divergence (not a bf16 near-tie) blocks promotion (registry._refusal)

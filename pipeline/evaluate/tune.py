@@ -70,7 +70,7 @@ def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> 
     target.forward(prefix.to(target.device), cache, all_logits=False)
     timings: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):  # repetition 0 warms up
-        for n in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:  # rotate the order
+        for n in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:  # rotate the order
             tokens = torch.randint(0, target.vocab_size, (n,), generator=generator)
             chain = torch.tril(torch.ones(n, n, dtype=torch.bool))  # (N, N) ancestor-or-self
             start = device_time(target.device)
@@ -83,20 +83,26 @@ def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> 
     return {n: 1e3 * median(values) for n, values in timings.items()}
 
 
-def measure_tree(draft: Any, references: list[GreedyReference], tree: TreeConfig,
-                 verify_ms_by_tokens: dict[int, float]) -> Candidate:
+def measure_tree(
+    draft: Any, references: list[GreedyReference], tree: TreeConfig, verify_ms_by_tokens: dict[int, float]
+) -> Candidate:
     """tau and the median drafting time of a round, replayed over every reference; the verify phase
     from the cost curve."""
     replays = [replay_greedy(draft, reference, tree) for reference in references]
     tau = acceptance_length([a for replay in replays for a in replay.accepted_per_round])
     draft_s = median(s for replay in replays for s in replay.draft_seconds)
     verify_s = verify_ms_by_tokens[tree.total_tokens] / 1e3
-    return Candidate(tree.total_tokens, tree.depth, tree.top_k, tau, 1e3 * draft_s, 1e3 * verify_s,
-                     tau / (draft_s + verify_s))
+    return Candidate(
+        tree.total_tokens, tree.depth, tree.top_k, tau, 1e3 * draft_s, 1e3 * verify_s, tau / (draft_s + verify_s)
+    )
 
 
-def coordinate_search(score: Callable[[TreeConfig], Candidate], start: TreeConfig, sweeps: int = 2,
-                      grids: dict[str, tuple[int, ...]] | None = None) -> tuple[Candidate, list[Candidate]]:
+def coordinate_search(
+    score: Callable[[TreeConfig], Candidate],
+    start: TreeConfig,
+    sweeps: int = 2,
+    grids: dict[str, tuple[int, ...]] | None = None,
+) -> tuple[Candidate, list[Candidate]]:
     """Sweep each budget field over its grid, keep the best, repeat. Trees whose depth x top_k
     cannot propose total_tokens - 1 nodes are skipped (TreeConfig refuses them)."""
     grids = grids or {"total_tokens": TOTAL_TOKENS, "depth": DEPTHS, "top_k": TOP_KS}
@@ -136,9 +142,16 @@ def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: 
     search and the machine (a verify that is cheap on one CPU or GPU is dear on another)."""
     from pipeline.evaluate.report import machine_identity
 
-    return {"draft": draft_uri, "target": cfg.target.model_dump(mode="json"), "datasets": list(cfg.eval.datasets),
-            "prompts": prompts, "max_new_tokens": max_new_tokens, "sweeps": cfg.decode.tune_sweeps,
-            "start": cfg.eval_tree.model_dump(), "machine": machine_identity()}
+    return {
+        "draft": draft_uri,
+        "target": cfg.target.model_dump(mode="json"),
+        "datasets": list(cfg.eval.datasets),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "sweeps": cfg.decode.tune_sweeps,
+        "start": cfg.eval_tree.model_dump(),
+        "machine": machine_identity(),
+    }
 
 
 def reusable_tuning(cfg: RunConfig, draft_uri: str) -> dict[str, Any] | None:
@@ -154,8 +167,9 @@ def reusable_tuning(cfg: RunConfig, draft_uri: str) -> dict[str, Any] | None:
     return data if data.get("settings") == wanted else None
 
 
-def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None = None,
-                  max_new_tokens: int | None = None) -> dict[str, Any]:
+def run_tune_tree(
+    cfg: RunConfig, draft: str | None = None, prompts: int | None = None, max_new_tokens: int | None = None
+) -> dict[str, Any]:
     """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides.
     Calibration defaults to ``decode.tune_prompts`` x ``decode.tune_max_new_tokens``."""
     from pipeline.resources.drafts import draft_for_run
@@ -169,11 +183,15 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
     curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
     speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
-    references = [greedy_reference(target, ids, max_new_tokens, max(DEPTHS), draft_model.cfg.feature_layers)
-                  for ids in calibration]  # (the lookahead covers the deepest tree of the search)
+    references = [
+        greedy_reference(target, ids, max_new_tokens, max(DEPTHS), draft_model.cfg.feature_layers)
+        for ids in calibration
+    ]  # (the lookahead covers the deepest tree of the search)
     vanilla = 1.0 / median(reference.vanilla_step_seconds for reference in references)
     sweeps = cfg.decode.tune_sweeps
-    progress = console.Progress("tune-tree", sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
+    progress = console.Progress(
+        "tune-tree", sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)"
+    )
 
     def score(tree: TreeConfig) -> Candidate:
         candidate = measure_tree(draft_model, references, tree, curve)
@@ -182,23 +200,36 @@ def run_tune_tree(cfg: RunConfig, draft: str | None = None, prompts: int | None 
 
     best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
-    result = {"settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
-              "target": target.name, "prepacked": target.packed,
-              "verify_ms_by_tokens": curve, "vanilla_tokens_per_s": vanilla,
-              "best": asdict(best), "expected_speedup": best.tokens_per_s / vanilla,
-              "candidates": [asdict(c) for c in ranked],
-              "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")]}
+    result = {
+        "settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
+        "target": target.name,
+        "prepacked": target.packed,
+        "verify_ms_by_tokens": curve,
+        "vanilla_tokens_per_s": vanilla,
+        "best": asdict(best),
+        "expected_speedup": best.tokens_per_s / vanilla,
+        "candidates": [asdict(c) for c in ranked],
+        "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")],
+    }
     out = cfg.run_dir / "tune_tree"
     write_tune_report(out, result)
     logger.info("tune-tree: best %s, expected %.2fx vanilla (%.1f tokens/s)", best, result["expected_speedup"], vanilla)
-    print(f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "
-          f"expected {best.tokens_per_s:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
-          f"({vanilla:.1f} tokens/s)\nuse: {' '.join(result['overrides'])}\nreport: {out / 'tune_tree.md'}")
+    print(
+        f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "
+        f"expected {best.tokens_per_s:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
+        f"({vanilla:.1f} tokens/s)\nuse: {' '.join(result['overrides'])}\nreport: {out / 'tune_tree.md'}"
+    )
     if result["expected_speedup"] < 1.0:
-        print("warning: no tree budget beats vanilla decoding with this draft on this machine: the draft's "
-              "acceptance is too low for the cost of a draft + verify round here; train it longer or serve without it")
-    return {"best": asdict(best), "tree": best.tree.model_dump(), "expected_speedup": round(result["expected_speedup"], 3),
-            "report": str(out)}
+        print(
+            "warning: no tree budget beats vanilla decoding with this draft on this machine: the draft's "
+            "acceptance is too low for the cost of a draft + verify round here; train it longer or serve without it"
+        )
+    return {
+        "best": asdict(best),
+        "tree": best.tree.model_dump(),
+        "expected_speedup": round(result["expected_speedup"], 3),
+        "report": str(out),
+    }
 
 
 def write_tune_report(out: Path, result: dict[str, Any]) -> None:
@@ -209,16 +240,26 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
     curve = result["verify_ms_by_tokens"]
     step = curve[1] if 1 in curve else curve[min(curve)]
     settings = result["settings"]
-    lines = [f"# Tree budget for {result['target']} with draft {settings['draft']}", "",
-             f"Vanilla decoding: {result['vanilla_tokens_per_s']:.1f} tokens/s. Calibration: "
-             f"{settings['prompts']} prompts x {settings['max_new_tokens']} tokens at T=0.", "",
-             "| tree tokens N | verify ms | / one decode step |", "| ---: | ---: | ---: |"]
+    lines = [
+        f"# Tree budget for {result['target']} with draft {settings['draft']}",
+        "",
+        f"Vanilla decoding: {result['vanilla_tokens_per_s']:.1f} tokens/s. Calibration: "
+        f"{settings['prompts']} prompts x {settings['max_new_tokens']} tokens at T=0.",
+        "",
+        "| tree tokens N | verify ms | / one decode step |",
+        "| ---: | ---: | ---: |",
+    ]
     lines += [f"| {n} | {ms:.1f} | {ms / step:.2f}x |" for n, ms in curve.items()]
-    lines += ["", "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
-              f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
-              for c in result["candidates"]]
+    lines += [
+        "",
+        "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
+        f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
+        for c in result["candidates"]
+    ]
     (out / "tune_tree.md").write_text("\n".join(lines) + "\n")
 
     figure = Figure(figsize=(11, 4))

@@ -40,8 +40,15 @@ from pipeline.resources.targets import load_target
 CANDIDATE, CHAMPION = "candidate", "champion"
 LOGGED_MODEL_NAME = "draft"
 VIOLATIONS_TAG = "eval.violations"  # model-version tag: T=0 divergences beyond a bf16 near-tie
-TARGET_TAGS = ("target_id", "target_weights_sha256", "tokenizer_sha256", "chat_template_sha256",
-               "hidden_size", "vocab_size", "architecture")
+TARGET_TAGS = (
+    "target_id",
+    "target_weights_sha256",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+    "hidden_size",
+    "vocab_size",
+    "architecture",
+)
 
 
 def default_checkpoint(cfg: RunConfig) -> Path:
@@ -58,8 +65,11 @@ class DraftPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         self.draft_dir = Path(context.artifacts[ARTIFACT_KEY])
         draft_cfg, raw = read_draft_config(self.draft_dir)
-        self.fields = {"config": draft_cfg.model_dump(), "provenance": raw.get("provenance") or {},
-                       "draft_dir": str(self.draft_dir)}
+        self.fields = {
+            "config": draft_cfg.model_dump(),
+            "provenance": raw.get("provenance") or {},
+            "draft_dir": str(self.draft_dir),
+        }
 
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         unknown = [name for name in model_input if name not in self.fields]
@@ -74,8 +84,13 @@ def lineage_tags(draft_dir: Path, sha: str) -> dict[str, str]:
     provenance = raw.get("provenance") or {}
     target = provenance.get("target") or {}
     tags = {f"target.{key}": target[key] for key in TARGET_TAGS if key in target}
-    tags.update(weights_sha256=sha, variant=draft_cfg.variant, draft_vocab_size=draft_cfg.active_vocab_size,
-                stage=provenance.get("stage", "unknown"), checkpoint=str(draft_dir.resolve()))
+    tags.update(
+        weights_sha256=sha,
+        variant=draft_cfg.variant,
+        draft_vocab_size=draft_cfg.active_vocab_size,
+        stage=provenance.get("stage", "unknown"),
+        checkpoint=str(draft_dir.resolve()),
+    )
     tags.update({key: provenance[key] for key in ("feature_manifest_sha256", "train_run_id") if provenance.get(key)})
     tags.update({f"metric.{name}": value for name, value in (provenance.get("metrics") or {}).items()})
     if provenance.get("resolved_config") is not None:
@@ -107,10 +122,17 @@ def _run_for(client: MlflowClient, cfg: RunConfig, train_run_id: str | None):
 
 
 def _version_info(version, created: bool) -> dict[str, Any]:
-    return {"name": version.name, "version": int(version.version), "created": created,
-            "model_uri": f"models:/{version.name}/{version.version}", "source": version.source,
-            "run_id": version.run_id, "model_id": version.model_id or (version.source or "").removeprefix("models:/"),
-            "aliases": list(version.aliases), "tags": dict(version.tags)}
+    return {
+        "name": version.name,
+        "version": int(version.version),
+        "created": created,
+        "model_uri": f"models:/{version.name}/{version.version}",
+        "source": version.source,
+        "run_id": version.run_id,
+        "model_id": version.model_id or (version.source or "").removeprefix("models:/"),
+        "aliases": list(version.aliases),
+        "tags": dict(version.tags),
+    }
 
 
 def register(cfg: RunConfig, checkpoint: str | Path | None = None) -> dict[str, Any]:
@@ -135,7 +157,9 @@ def register(cfg: RunConfig, checkpoint: str | Path | None = None) -> dict[str, 
         for file in (CONFIG_NAME, WEIGHTS_NAME):
             shutil.copy2(draft_dir / file, staged / file)
         info = mlflow.pyfunc.log_model(
-            name=LOGGED_MODEL_NAME, python_model=DraftPyfunc(), artifacts={ARTIFACT_KEY: str(staged)},
+            name=LOGGED_MODEL_NAME,
+            python_model=DraftPyfunc(),
+            artifacts={ARTIFACT_KEY: str(staged)},
             pip_requirements=[f"mlflow=={mlflow.__version__}", "torch", "safetensors", "pydantic"],
             tags={"weights_sha256": sha},
         )
@@ -188,24 +212,32 @@ def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchm
     if refusal:
         return {**result, "tau": tau, "reason": refusal}
     client.set_registered_model_alias(name, CHAMPION, str(version))
-    reason = ("no champion yet" if champion is None else
-              "already champion; τ updated" if str(champion.version) == str(candidate.version) else
-              f"τ {tau:.4f} beats champion v{champion.version}'s {recorded_tau(champion.tags, benchmark):.4f}")
+    reason = (
+        "no champion yet"
+        if champion is None
+        else "already champion; τ updated"
+        if str(champion.version) == str(candidate.version)
+        else f"τ {tau:.4f} beats champion v{champion.version}'s {recorded_tau(champion.tags, benchmark):.4f}"
+    )
     return {**result, "promoted": True, "tau": tau, "reason": reason}
 
 
 def _refusal(candidate, champion, tau: float, benchmark: str) -> str | None:
     """Why ``candidate`` may not replace ``champion`` (None: it may)."""
     if int(candidate.tags.get(VIOLATIONS_TAG, "0")):
-        return (f"version {candidate.version} decoded {candidate.tags[VIOLATIONS_TAG]} T=0 generations that differ "
-                f"from vanilla beyond a bf16 near-tie (eval run {candidate.tags.get('eval_run_id')}): a lossless "
-                "decoder never does; see the evaluation report's divergences before promoting anything")
+        return (
+            f"version {candidate.version} decoded {candidate.tags[VIOLATIONS_TAG]} T=0 generations that differ "
+            f"from vanilla beyond a bf16 near-tie (eval run {candidate.tags.get('eval_run_id')}): a lossless "
+            "decoder never does; see the evaluation report's divergences before promoting anything"
+        )
     if champion is None or str(champion.version) == str(candidate.version):
         return None
     best = recorded_tau(champion.tags, benchmark)
     if best is None:
-        return (f"champion v{champion.version} has no τ on {benchmark!r} to compare with; record it first with "
-                f"promote(cfg, {champion.version}, tau, {benchmark!r})")
+        return (
+            f"champion v{champion.version} has no τ on {benchmark!r} to compare with; record it first with "
+            f"promote(cfg, {champion.version}, tau, {benchmark!r})"
+        )
     ours, theirs = (v.tags.get("target.target_weights_sha256") for v in (candidate, champion))
     if ours and theirs and ours != theirs:
         return f"champion v{champion.version} drafts for other target weights ({theirs[:12]}, not {ours[:12]})"
@@ -226,14 +258,16 @@ def run_register(cfg: RunConfig, checkpoint: str | None = None, promote: bool = 
 promote_version = promote  # run_register's ``promote`` flag shadows the function's name
 
 
-def run_export(cfg: RunConfig, to: str, source: str | None = None, out: str | None = None,
-               verifier: str | None = None) -> dict[str, Any]:
+def run_export(
+    cfg: RunConfig, to: str, source: str | None = None, out: str | None = None, verifier: str | None = None
+) -> dict[str, Any]:
     """``griffin export --to griffin-upstream|hf|speculators|specforge``: write, reload and check the export."""
     draft_dir = resolve_draft(source, cfg) if source else default_checkpoint(cfg)
     target = load_target(cfg.target)
     check_lineage(draft_dir, target, source)
-    out_dir = export_draft(draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target,
-                           verifier=verifier)
+    out_dir = export_draft(
+        draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target, verifier=verifier
+    )
     return {"layout": to, "out": str(out_dir), "files": sorted(p.name for p in out_dir.iterdir())}
 
 

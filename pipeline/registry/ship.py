@@ -34,8 +34,9 @@ MAX_BYTES = 30 << 20  # a shipped draft stays small enough for the repository
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -48,12 +49,16 @@ def measured(report: dict[str, Any], method: str) -> dict[str, Any]:
         if entry is None:
             raise ValueError(f"the evaluation report has no method {method!r} (it has {sorted(result['methods'])})")
         vanilla = result["methods"]["vanilla"]["tokens_per_s_median"]
-        results[key] = {"tau": entry.get("tau"), "tokens_per_s": entry["tokens_per_s_median"],
-                        "speedup_vs_vanilla": entry["tokens_per_s_median"] / vanilla,
-                        "generations": entry["generations"]}
+        results[key] = {
+            "tau": entry.get("tau"),
+            "tokens_per_s": entry["tokens_per_s_median"],
+            "speedup_vs_vanilla": entry["tokens_per_s_median"] / vanilla,
+            "generations": entry["generations"],
+        }
         if "hf_generate" in result["methods"]:
-            results[key]["speedup_vs_hf_generate"] = (entry["tokens_per_s_median"]
-                                                      / result["methods"]["hf_generate"]["tokens_per_s_median"])
+            results[key]["speedup_vs_hf_generate"] = (
+                entry["tokens_per_s_median"] / result["methods"]["hf_generate"]["tokens_per_s_median"]
+            )
     return results
 
 
@@ -67,9 +72,12 @@ def build_card(raw_config: dict[str, Any], report: dict[str, Any], method: str) 
         "draft_vocab_size": raw_config.get("draft_vocab_size"),
         "tree": {"total_tokens": tree["total_tokens"], "depth": tree["depth"], "top_k": tree["top_k"]},
         "measured": measured(report, method),
-        "measured_with": {"mode": report["mode"], "hardware": report.get("hardware"),
-                          "max_new_tokens": report["config"]["eval"]["max_new_tokens"],
-                          "num_questions": report["config"]["eval"]["num_questions"]},
+        "measured_with": {
+            "mode": report["mode"],
+            "hardware": report.get("hardware"),
+            "max_new_tokens": report["config"]["eval"]["max_new_tokens"],
+            "num_questions": report["config"]["eval"]["num_questions"],
+        },
         "data": {key: resolved.get("data", {}).get(key) for key in ("source", "limit", "max_len", "split")},
         "schedule": resolved.get("train", {}).get("schedule"),
         "steps": sum(stage["steps"] for stage in resolved.get("train", {}).get("schedule") or []),
@@ -80,15 +88,17 @@ def build_card(raw_config: dict[str, Any], report: dict[str, Any], method: str) 
 
 
 def card_markdown(card: dict[str, Any], serve_command: str) -> str:
-    rows = "\n".join(f"| {key} | {v['tau']:.2f} | {v['speedup_vs_vanilla']:.2f}x | "
-                     f"{v.get('speedup_vs_hf_generate', float('nan')):.2f}x | {v['generations']} |"
-                     for key, v in card["measured"].items())
+    rows = "\n".join(
+        f"| {key} | {v['tau']:.2f} | {v['speedup_vs_vanilla']:.2f}x | "
+        f"{v.get('speedup_vs_hf_generate', float('nan')):.2f}x | {v['generations']} |"
+        for key, v in card["measured"].items()
+    )
     tree = card["tree"]
-    return f"""# {card['variant']} draft for {card['target']}
+    return f"""# {card["variant"]} draft for {card["target"]}
 
-A {card['variant'].upper()} speculative-decoding draft for `{card['target']}`, trained by this project
-({card['steps']} optimizer steps on {card['data']['limit'] or 'all'} conversations of
-`{card['data']['source']}`, schedule {card['schedule']}), bf16. Decoding with it is lossless: the
+A {card["variant"].upper()} speculative-decoding draft for `{card["target"]}`, trained by this project
+({card["steps"]} optimizer steps on {card["data"]["limit"] or "all"} conversations of
+`{card["data"]["source"]}`, schedule {card["schedule"]}), bf16. Decoding with it is lossless: the
 target verifies every drafted token.
 
 Serve it:
@@ -97,26 +107,33 @@ Serve it:
 {serve_command}
 ```
 
-Measured with the tree total_tokens={tree['total_tokens']}, depth={tree['depth']}, top_k={tree['top_k']}
-({card['measured_with']['mode']}, {card['measured_with']['num_questions']} questions per set,
-{card['measured_with']['max_new_tokens']} new tokens; speedups are tokens/s ratios in one process,
+Measured with the tree total_tokens={tree["total_tokens"]}, depth={tree["depth"]}, top_k={tree["top_k"]}
+({card["measured_with"]["mode"]}, {card["measured_with"]["num_questions"]} questions per set,
+{card["measured_with"]["max_new_tokens"]} new tokens; speedups are tokens/s ratios in one process,
 runs interleaved):
 
 | dataset / T | τ | speedup vs vanilla | vs HF generate | generations |
 |---|---|---|---|---|
 {rows}
 
-Held-out expected accepted tokens at training: {card['held_out']}. Commit: {card['commit']}.
+Held-out expected accepted tokens at training: {card["held_out"]}. Commit: {card["commit"]}.
 `card.json` holds the same in machine-readable form.
 """
 
 
-def run_ship(cfg: RunConfig, source: str | None = None, report: str | None = None, method: str = "griffin",
-             out: str | None = None) -> dict[str, Any]:
+def run_ship(
+    cfg: RunConfig,
+    source: str | None = None,
+    report: str | None = None,
+    method: str = "griffin",
+    out: str | None = None,
+) -> dict[str, Any]:
     """``griffin ship --source DRAFT --report EVAL/report.json [--method griffin] [--out DIR]``."""
     if source is None or report is None:
-        raise ValueError("griffin ship needs --source (the draft) and --report (an evaluation report.json that "
-                         "measured it) so that the card states what the draft delivers")
+        raise ValueError(
+            "griffin ship needs --source (the draft) and --report (an evaluation report.json that "
+            "measured it) so that the card states what the draft delivers"
+        )
     draft_dir = resolve_draft(source, cfg)
     target = load_target(cfg.target)
     check_lineage(draft_dir, target, source)
@@ -124,8 +141,9 @@ def run_ship(cfg: RunConfig, source: str | None = None, report: str | None = Non
     _, raw = read_draft_config(draft_dir)
     out_dir = Path(out) if out else REPO / "drafts" / cfg.target_slug / raw["griffin"]["variant"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
-             for k, v in load_file(draft_dir / WEIGHTS_NAME).items()}
+    state = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(draft_dir / WEIGHTS_NAME).items()
+    }
     save_file(state, out_dir / WEIGHTS_NAME, metadata={"format": "pt"})
     (out_dir / CONFIG_NAME).write_text(json.dumps(raw, indent=2, default=str))
     card = build_card(raw, evaluation, method)
@@ -135,6 +153,8 @@ def run_ship(cfg: RunConfig, source: str | None = None, report: str | None = Non
     (out_dir / "README.md").write_text(card_markdown(card, serve_command))
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     if size > MAX_BYTES:
-        raise ValueError(f"{out_dir} is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB a shipped draft may take")
+        raise ValueError(
+            f"{out_dir} is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB a shipped draft may take"
+        )
     load_draft(out_dir, target, cfg)  # it loads back, lineage checked
     return {"out": str(out_dir), "bytes": size, "card": card}

@@ -41,8 +41,9 @@ def resolve_draft(uri: str | Path, cfg: RunConfig) -> Path:
     if local is not None:
         return local
     if ":/" not in text:
-        raise FileNotFoundError(f"draft {text!r} is neither a directory (or a shipped drafts/... path) nor a "
-                                "models:/ or runs:/ URI")
+        raise FileNotFoundError(
+            f"draft {text!r} is neither a directory (or a shipped drafts/... path) nor a models:/ or runs:/ URI"
+        )
     return _download_registered(text, cfg)
 
 
@@ -74,14 +75,23 @@ def _download_registered(uri: str, cfg: RunConfig) -> Path:
 def lineage_problems(recorded: dict[str, Any], target: TargetAdapter) -> list[str]:
     """How a draft's recorded target differs from ``target`` (empty when it fits)."""
     actual = target_fingerprint(target)
-    problems = [f"{key.replace('_', ' ')} {recorded.get(key)} != {actual[key]}"
-                for key in ("hidden_size", "vocab_size") if recorded.get(key) != actual[key]]
+    problems = [
+        f"{key.replace('_', ' ')} {recorded.get(key)} != {actual[key]}"
+        for key in ("hidden_size", "vocab_size")
+        if recorded.get(key) != actual[key]
+    ]
     if problems:  # another architecture: the hashes can only differ too
         return problems
-    names = {"target_weights_sha256": "target weights", "tokenizer_sha256": "tokenizer",
-             "chat_template_sha256": "chat template"}
-    return [f"{names[key]} sha256 {str(actual[key])[:12]}… != {str(recorded.get(key))[:12]}… recorded at training"
-            for key in LINEAGE_KEYS if recorded.get(key) != actual[key]]
+    names = {
+        "target_weights_sha256": "target weights",
+        "tokenizer_sha256": "tokenizer",
+        "chat_template_sha256": "chat template",
+    }
+    return [
+        f"{names[key]} sha256 {str(actual[key])[:12]}… != {str(recorded.get(key))[:12]}… recorded at training"
+        for key in LINEAGE_KEYS
+        if recorded.get(key) != actual[key]
+    ]
 
 
 def check_lineage(draft_dir: str | Path, target: TargetAdapter, source: str | None = None) -> None:
@@ -91,14 +101,17 @@ def check_lineage(draft_dir: str | Path, target: TargetAdapter, source: str | No
     recorded = (raw.get("provenance") or {}).get("target")
     where = source or str(draft_dir)
     if not isinstance(recorded, dict) or any(key not in recorded for key in LINEAGE_KEYS):
-        raise ValueError(f"draft {where} records no target fingerprint (provenance.target in its config.json), so "
-                         "its pairing with a target cannot be checked; save it with pipeline.resources.drafts.save_draft "
-                         "or train it with `griffin train`")
+        raise ValueError(
+            f"draft {where} records no target fingerprint (provenance.target in its config.json), so "
+            "its pairing with a target cannot be checked; save it with pipeline.resources.drafts.save_draft "
+            "or train it with `griffin train`"
+        )
     problems = lineage_problems(recorded, target)
     if problems:
         raise ValueError(
             f"draft {where} was trained for target {recorded.get('target_id', '?')!r} and does not fit target "
-            f"{target.name!r}: {'; '.join(problems)}. Pair it with its own target or train a new draft.")
+            f"{target.name!r}: {'; '.join(problems)}. Pair it with its own target or train a new draft."
+        )
 
 
 def load_draft(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype: torch.dtype | None = None) -> Any:

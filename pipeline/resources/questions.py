@@ -25,13 +25,17 @@ def question_set(name: str) -> Path:
         filename, expected = QUESTION_SETS[name]
         path = packaged_file("pipeline.resources", "question_sets", filename)
         if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != expected:
-            raise FileNotFoundError(f"question set {name!r}: {path} is missing or modified; reinstall the package "
-                                    "(`make setup`) or pass a FastChat-format JSONL path in eval.datasets")
+            raise FileNotFoundError(
+                f"question set {name!r}: {path} is missing or modified; reinstall the package "
+                "(`make setup`) or pass a FastChat-format JSONL path in eval.datasets"
+            )
         return path
     path = Path(name).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"eval dataset {name!r} is neither one of {sorted(QUESTION_SETS)} nor an existing "
-                                "FastChat-format JSONL file")
+        raise FileNotFoundError(
+            f"eval dataset {name!r} is neither one of {sorted(QUESTION_SETS)} nor an existing "
+            "FastChat-format JSONL file"
+        )
     return path
 
 

@@ -40,7 +40,10 @@ def tiny_tokenizer() -> Any:
     )
     core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
         additional_special_tokens=TINY_SPECIALS[1:],
     )
     tokenizer.chat_template = CHATML_TEMPLATE
@@ -52,8 +55,13 @@ def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0)
 
     tokenizer = tiny_tokenizer()
     vocab = max(fields.get("vocab_size", 0), len(tokenizer))
-    config = LlamaConfig(**{**fields, "vocab_size": vocab}, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        **{**fields, "vocab_size": vocab},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)  # identical weights in every process that builds it
@@ -95,8 +103,10 @@ def feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
         layers = tuple(cfg.features.layers)
     count = target.hf_config.get_text_config().num_hidden_layers
     if len(set(layers)) != len(layers) or any(not 0 <= i <= count for i in layers):
-        raise ValueError(f"features.layers {list(layers)}: need distinct hidden-state indices in 0..{count} for "
-                         f"this target ({count} layers; 0 = the embeddings, {count} = the last layer)")
+        raise ValueError(
+            f"features.layers {list(layers)}: need distinct hidden-state indices in 0..{count} for "
+            f"this target ({count} layers; 0 = the embeddings, {count} = the last layer)"
+        )
     return layers
 
 

@@ -23,7 +23,6 @@ or not) or Serve's request timeout ends the decode at its next round; a request 
 queued never decodes. Metrics: ``ServeMetrics`` (Prometheus through Ray).
 """
 
-
 import asyncio
 import collections
 import contextlib
@@ -45,8 +44,7 @@ from ray import serve
 from ray.serve import Application
 
 from griffin.config import SamplingConfig
-from griffin.decode import (GenerationResult, LogprobRecorder, TokenCallback, speculative_generate,
-                            vanilla_generate)
+from griffin.decode import GenerationResult, LogprobRecorder, TokenCallback, speculative_generate, vanilla_generate
 from pipeline.config import RunConfig, config_from_dict, load_config
 from pipeline.data.chat import encode, render_chat
 from pipeline.serve.protocol import (
@@ -62,8 +60,16 @@ from pipeline.serve.protocol import (
     speculative_block,
     stop_sequences,
 )
-from pipeline.serve.engine import (ClientGone, DecodeTrace, Job, Once, StopDecoding, check_progress, stream_rounds,
-                                   until_done)
+from pipeline.serve.engine import (
+    ClientGone,
+    DecodeTrace,
+    Job,
+    Once,
+    StopDecoding,
+    check_progress,
+    stream_rounds,
+    until_done,
+)
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.sse import StreamLogprobs, TextStream, sse_stream
 
@@ -74,8 +80,6 @@ api = FastAPI(title="GRIFFIN speculative decoding")
 
 def served_model_name(cfg: RunConfig) -> str:
     return cfg.serve.model_name or cfg.target_slug
-
-
 
 
 # ---- the deployment ----
@@ -124,8 +128,12 @@ class SpeculativeDecoder:
             check_progress(self.active, self.limits.stall_timeout_s)
         except RuntimeError as error:
             return JSONResponse({"status": "wedged", "model": self.model_id, "detail": str(error)}, status_code=503)
-        return {"status": "ok", "model": self.model_id, "running": int(self.active is not None),
-                "waiting": self._waiting()}
+        return {
+            "status": "ok",
+            "model": self.model_id,
+            "running": int(self.active is not None),
+            "waiting": self._waiting(),
+        }
 
     async def check_health(self) -> None:
         """Serve's replica health check (every health_check_period_s): a wedged decode fails it."""
@@ -134,18 +142,32 @@ class SpeculativeDecoder:
     @api.get("/stats")
     async def stats(self) -> dict[str, Any]:
         """The replica's counters and its recent requests (the Prometheus metrics, readable without Prometheus)."""
-        return {"model": self.model_id, "admitted": self.admitted, "running": int(self.active is not None),
-                "waiting": self._waiting(), "shed": self.shed, "max_ongoing_requests": self.limits.max_ongoing_requests,
-                "metrics_exported": self.metrics is not None,
-                "recent": [trace.summary() for trace in list(self.recent)]}  # a snapshot: workers append to it
+        return {
+            "model": self.model_id,
+            "admitted": self.admitted,
+            "running": int(self.active is not None),
+            "waiting": self._waiting(),
+            "shed": self.shed,
+            "max_ongoing_requests": self.limits.max_ongoing_requests,
+            "metrics_exported": self.metrics is not None,
+            "recent": [trace.summary() for trace in list(self.recent)],
+        }  # a snapshot: workers append to it
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "griffin",
-                "target": self.target.name, "draft": self.draft_uri, "speculative": self.draft is not None,
-                "decoding": "griffin speculative" if self.draft is not None else "vanilla (no draft configured)",
-                "tree": self.tree.model_dump(), "max_context": self.target.max_context,
-                "torch_threads": torch.get_num_threads()}  # Ray gives a replica one thread per serve.num_cpus
+        card = {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "griffin",
+            "target": self.target.name,
+            "draft": self.draft_uri,
+            "speculative": self.draft is not None,
+            "decoding": "griffin speculative" if self.draft is not None else "vanilla (no draft configured)",
+            "tree": self.tree.model_dump(),
+            "max_context": self.target.max_context,
+            "torch_threads": torch.get_num_threads(),
+        }  # Ray gives a replica one thread per serve.num_cpus
         return {"object": "list", "data": [card]}
 
     # ---- completions ----
@@ -212,9 +234,13 @@ class SpeculativeDecoder:
         if self.metrics is not None:
             self.metrics.shed.inc()
         retry = max(1, math.ceil(self.limits.retry_after_s))
-        return ApiError(f"the server is at capacity ({self.admitted} requests in progress on this replica); "
-                        f"retry after {retry}s", status=self.limits.shed_status, kind="server_error",
-                        code="server_overloaded", headers={"Retry-After": str(retry)}).response()
+        return ApiError(
+            f"the server is at capacity ({self.admitted} requests in progress on this replica); retry after {retry}s",
+            status=self.limits.shed_status,
+            kind="server_error",
+            code="server_overloaded",
+            headers={"Retry-After": str(retry)},
+        ).response()
 
     def _job(self, raw: bytes, schema: type[SamplingRequest], arrived: float) -> "Job":
         """Everything a decode and its answer need, from the raw body (blocking: a worker thread)."""
@@ -225,18 +251,32 @@ class SpeculativeDecoder:
         top = req.logprobs_top()
         tokenizer = self.target.tokenizer
         return Job(
-            req=req, chat=chat, prompt_ids=prompt_ids, max_new=max_new, stops=stops,
-            head={"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                  "model": self.model_id},
-            text=TextStream(tokenizer, self.target.stop_token_ids, stops, track_tokens=req.stream and top is not None,
-                            emit=req.stream),
+            req=req,
+            chat=chat,
+            prompt_ids=prompt_ids,
+            max_new=max_new,
+            stops=stops,
+            head={
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "created": int(time.time()),
+                "model": self.model_id,
+            },
+            text=TextStream(
+                tokenizer,
+                self.target.stop_token_ids,
+                stops,
+                track_tokens=req.stream and top is not None,
+                emit=req.stream,
+            ),
             recorder=LogprobRecorder(top) if top is not None else None,
             formatter=LogprobFormatter(tokenizer, chat, top) if top is not None else None,
-            trace=DecodeTrace(arrived, max_new, self._uses_draft(req), req.stream))
+            trace=DecodeTrace(arrived, max_new, self._uses_draft(req), req.stream),
+        )
 
     def _decode(self, job: "Job") -> AsyncIterator[str | GenerationResult]:
         """The job's decode as ``stream_rounds`` items, traced: progress for check_health, outcome,
         stats and metrics once it ends (abandoned decodes included)."""
+
         def run(on_tokens: TokenCallback) -> GenerationResult:
             self.active = job.trace
             job.trace.start()
@@ -245,6 +285,7 @@ class SpeculativeDecoder:
             def traced(tokens: list[int]) -> None:
                 job.trace.round(tokens)
                 on_tokens(tokens)
+
             outcome = "error"
             try:
                 result = self._generate(job.req, job.prompt_ids, job.max_new, traced, job.recorder)
@@ -258,6 +299,7 @@ class SpeculativeDecoder:
                 self.active = None
                 self.recent.append(job.trace)
                 self._record(job.trace)
+
         return stream_rounds(run, job.text, job.max_new, self.decode_lock)
 
     def _record(self, trace: DecodeTrace) -> None:
@@ -273,8 +315,15 @@ class SpeculativeDecoder:
         """A stream's events; its admission slot is released when the stream ends, however it ends."""
         try:
             logprobs = StreamLogprobs(job.formatter, job.recorder.entries) if job.recorder is not None else None
-            events = sse_stream(self._decode(job), job.text, job.head, job.chat, functools.partial(self._tail, job),
-                                logprobs, job.req.include_usage)
+            events = sse_stream(
+                self._decode(job),
+                job.text,
+                job.head,
+                job.chat,
+                functools.partial(self._tail, job),
+                logprobs,
+                job.req.include_usage,
+            )
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
@@ -290,41 +339,71 @@ class SpeculativeDecoder:
         if job.recorder is not None:
             body = content_tokens(result.tokens, n_tokens, stop_ids)
             logprobs = job.formatter.format(result.tokens[:body], job.recorder.entries[:body])
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                   "finish_reason": finish} if job.chat
-                  else {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
-        return {**job.head, "object": "chat.completion" if job.chat else "text_completion", "choices": [choice],
-                **extra}
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+            if job.chat
+            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        )
+        return {
+            **job.head,
+            "object": "chat.completion" if job.chat else "text_completion",
+            "choices": [choice],
+            **extra,
+        }
 
     def _prepare(self, req: SamplingRequest) -> tuple[list[int], int]:
         """The prompt's token ids and the token budget, checked against the context window."""
         if req.model is not None and req.model != self.model_id:
-            raise ApiError(f"model {req.model!r} does not exist; this server serves {self.model_id!r} "
-                           "(see GET /v1/models)", "model", status=404, code="model_not_found")
+            raise ApiError(
+                f"model {req.model!r} does not exist; this server serves {self.model_id!r} (see GET /v1/models)",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
         tokenizer, field = self.target.tokenizer, "messages" if isinstance(req, ChatRequest) else "prompt"
         try:
-            ids = (render_chat(tokenizer, [m.as_dict() for m in req.messages]) if isinstance(req, ChatRequest)
-                   else encode(tokenizer, req.prompt, add_special_tokens=True))  # a raw prompt: BOS as usual
+            ids = (
+                render_chat(tokenizer, [m.as_dict() for m in req.messages])
+                if isinstance(req, ChatRequest)
+                else encode(tokenizer, req.prompt, add_special_tokens=True)
+            )  # a raw prompt: BOS as usual
         except Exception as error:  # a template may refuse e.g. a system message: the client's input
             raise ApiError(f"'{field}' could not be rendered with the chat template: {error}", field) from None
         context = self.target.max_context
         if not ids or len(ids) >= context:
-            raise ApiError(f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens "
-                           f"(the context window is {context})", field)
+            raise ApiError(
+                f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens "
+                f"(the context window is {context})",
+                field,
+            )
         room = context - len(ids)
         requested, name = req.token_budget()
         if requested is None:
             return ids, min(self.default_max_tokens, room)
         if requested > room:
-            raise ApiError(f"'{name}'={requested} plus the prompt's {len(ids)} tokens exceeds the "
-                           f"context window of {context}; use at most {room}", name)
+            raise ApiError(
+                f"'{name}'={requested} plus the prompt's {len(ids)} tokens exceeds the "
+                f"context window of {context}; use at most {room}",
+                name,
+            )
         return ids, requested
 
     def _uses_draft(self, req: SamplingRequest) -> bool:
         return self.draft is not None and req.speculative
 
-    def _generate(self, req: SamplingRequest, prompt_ids: list[int], max_new: int,
-                  on_tokens: TokenCallback | None = None, logprobs: LogprobRecorder | None = None) -> GenerationResult:
+    def _generate(
+        self,
+        req: SamplingRequest,
+        prompt_ids: list[int],
+        max_new: int,
+        on_tokens: TokenCallback | None = None,
+        logprobs: LogprobRecorder | None = None,
+    ) -> GenerationResult:
         """The decode (blocking: a worker thread, under the decode lock); ``on_tokens`` gets each round's
         tokens, ``logprobs`` (when asked) their log-probabilities."""
         # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
@@ -334,20 +413,35 @@ class SpeculativeDecoder:
         generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
         input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
         if self._uses_draft(req):
-            return speculative_generate(self.target, self.draft, input_ids, self.tree, sampling, max_new,
-                                        generator, on_tokens=on_tokens, logprobs=logprobs)
-        return vanilla_generate(self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens,
-                                logprobs=logprobs)
+            return speculative_generate(
+                self.target,
+                self.draft,
+                input_ids,
+                self.tree,
+                sampling,
+                max_new,
+                generator,
+                on_tokens=on_tokens,
+                logprobs=logprobs,
+            )
+        return vanilla_generate(
+            self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens, logprobs=logprobs
+        )
 
     def _tail(self, job: "Job", result: GenerationResult, n_tokens: int, hit_stop: bool) -> tuple[str, dict[str, Any]]:
         """finish_reason, and the usage + speculative fields every response (or last chunk) ends with."""
         finish = "stop" if hit_stop or result.finish_reason == "stop" else "length"
         prompt_tokens = len(job.prompt_ids)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                 "total_tokens": prompt_tokens + n_tokens}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n_tokens,
+            "total_tokens": prompt_tokens + n_tokens,
+        }
         ids = result.tokens[:n_tokens] if job.req.return_token_ids else None
-        return finish, {"usage": usage, "speculative": speculative_block(result, self._uses_draft(job.req), self.tree,
-                                                                         ids)}
+        return finish, {
+            "usage": usage,
+            "speculative": speculative_block(result, self._uses_draft(job.req), self.tree, ids),
+        }
 
 
 # ---- building and running the application ----
@@ -383,15 +477,17 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     """The Serve application for a run config: one ``SpeculativeDecoder`` deployment (loads nothing here)."""
     cfg = (args if isinstance(args, ServeArgs) else ServeArgs(**args)).load()
     section = cfg.serve
-    scaling = ({"autoscaling_config": section.autoscaling} if section.autoscaling
-               else {"num_replicas": section.num_replicas})
+    scaling = (
+        {"autoscaling_config": section.autoscaling} if section.autoscaling else {"num_replicas": section.num_replicas}
+    )
     return SpeculativeDecoder.options(
         # completions are admitted by the replica itself (its queue): the extra slots keep /health & co.
         # from ever queueing behind them; Serve's own queue in front is bounded too
         max_ongoing_requests=section.max_ongoing_requests + section.control_slots,
         max_queued_requests=section.max_queued_requests,
         backpressure_config={"status_code": section.shed_status, "retry_after_s": section.retry_after_s},
-        ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus}, **scaling,
+        ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus},
+        **scaling,
     ).bind(_portable(cfg))
 
 
@@ -405,8 +501,9 @@ def start_serve(cfg: RunConfig) -> str:
     from pipeline.runtime import ensure_ray
 
     ensure_ray(cfg)
-    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port,
-                              "request_timeout_s": cfg.serve.request_timeout_s})
+    serve.start(
+        http_options={"host": cfg.serve.host, "port": cfg.serve.port, "request_timeout_s": cfg.serve.request_timeout_s}
+    )
     serve.run(app_builder(ServeArgs(run_config=cfg.resolved())), name=APP_NAME, route_prefix="/")
     return serve_url(cfg)
 

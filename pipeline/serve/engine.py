@@ -33,8 +33,9 @@ def _result_from_rounds(rounds: list[list[int]]) -> GenerationResult:
     return GenerationResult([t for r in rounds for t in r], stats, "stop")
 
 
-async def stream_rounds(run: Callable[[TokenCallback], GenerationResult], text: TextStream,
-                        max_new: int, lock: asyncio.Lock | None = None) -> AsyncIterator[str | GenerationResult]:
+async def stream_rounds(
+    run: Callable[[TokenCallback], GenerationResult], text: TextStream, max_new: int, lock: asyncio.Lock | None = None
+) -> AsyncIterator[str | GenerationResult]:
     """Runs ``run(on_tokens)`` (the decode) in a worker thread once ``lock`` (the replica's decode lock,
     first come first served) is free; yields each round's text delta as soon as it is committed, then
     the GenerationResult. The decode ends early once ``text`` has met a stop sequence or this iterator
@@ -150,13 +151,21 @@ class DecodeTrace:
 
     def summary(self) -> dict[str, Any]:
         """A JSON-able record for /stats."""
+
         def since(moment: float | None, start: float | None) -> float | None:
             return None if moment is None or start is None else round(moment - start, 4)
 
-        return {"outcome": self.outcome, "stream": self.stream, "speculative": self.speculative,
-                "max_tokens": self.max_new, "tokens": self.tokens, "rounds": max(len(self.rounds) - 1, 0),
-                "queued_s": since(self.started, self.arrived), "ttft_s": since(self.first_token, self.arrived),
-                "latency_s": since(self.ended, self.arrived)}
+        return {
+            "outcome": self.outcome,
+            "stream": self.stream,
+            "speculative": self.speculative,
+            "max_tokens": self.max_new,
+            "tokens": self.tokens,
+            "rounds": max(len(self.rounds) - 1, 0),
+            "queued_s": since(self.started, self.arrived),
+            "ttft_s": since(self.first_token, self.arrived),
+            "latency_s": since(self.ended, self.arrived),
+        }
 
 
 def check_progress(trace: DecodeTrace | None, limit_s: float, now: float | None = None) -> None:
@@ -166,8 +175,10 @@ def check_progress(trace: DecodeTrace | None, limit_s: float, now: float | None 
         return
     stalled = (time.monotonic() if now is None else now) - trace.last_progress
     if stalled > limit_s:
-        raise RuntimeError(f"the running decode made no progress for {stalled:.0f}s (serve.stall_timeout_s="
-                           f"{limit_s:g}): the replica is wedged")
+        raise RuntimeError(
+            f"the running decode made no progress for {stalled:.0f}s (serve.stall_timeout_s="
+            f"{limit_s:g}): the replica is wedged"
+        )
 
 
 @dataclass

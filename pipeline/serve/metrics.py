@@ -30,26 +30,54 @@ class ServeMetrics:
 
         self.draft_tokens_per_round = draft_tokens_per_round
         tags = ("model",)
-        self.drafts = metrics.Counter("griffin_spec_decode_num_drafts", "Speculative rounds (target verification "
-                                      "passes with a draft tree).", tags)
-        self.draft_tokens = metrics.Counter("griffin_spec_decode_num_draft_tokens", "Draft tokens verified "
-                                            "(tree nodes below the root, per round).", tags)
+        self.drafts = metrics.Counter(
+            "griffin_spec_decode_num_drafts", "Speculative rounds (target verification passes with a draft tree).", tags
+        )
+        self.draft_tokens = metrics.Counter(
+            "griffin_spec_decode_num_draft_tokens",
+            "Draft tokens verified (tree nodes below the root, per round).",
+            tags,
+        )
         self.accepted = metrics.Counter("griffin_spec_decode_num_accepted_tokens", "Draft tokens accepted.", tags)
-        self.per_position = metrics.Counter("griffin_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
-                                            "accepted at each depth of the accepted path.", (*tags, "position"))
-        self.latency = metrics.Histogram("griffin_e2e_request_latency_seconds", "Arrival to last token.",
-                                         LATENCY_BUCKETS, tags)
-        self.ttft = metrics.Histogram("griffin_time_to_first_token_seconds", "Arrival to the first token "
-                                      "(queueing and prefill included).", TTFT_BUCKETS, tags)
-        self.rate = metrics.Histogram("griffin_output_tokens_per_second", "Completion tokens per second of "
-                                      "decode (prefill included, queueing not).", RATE_BUCKETS, tags)
-        self.waiting = metrics.Gauge("griffin_num_requests_waiting", "Admitted completions waiting for the "
-                                     "decode (the replica's queue).", tags)
+        self.per_position = metrics.Counter(
+            "griffin_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each depth of the accepted path.",
+            (*tags, "position"),
+        )
+        self.latency = metrics.Histogram(
+            "griffin_e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS, tags
+        )
+        self.ttft = metrics.Histogram(
+            "griffin_time_to_first_token_seconds",
+            "Arrival to the first token (queueing and prefill included).",
+            TTFT_BUCKETS,
+            tags,
+        )
+        self.rate = metrics.Histogram(
+            "griffin_output_tokens_per_second",
+            "Completion tokens per second of decode (prefill included, queueing not).",
+            RATE_BUCKETS,
+            tags,
+        )
+        self.waiting = metrics.Gauge(
+            "griffin_num_requests_waiting", "Admitted completions waiting for the decode (the replica's queue).", tags
+        )
         self.running = metrics.Gauge("griffin_num_requests_running", "Completions decoding.", tags)
-        self.shed = metrics.Counter("griffin_num_requests_shed", "Completions refused with 503/429 because "
-                                    "the replica's queue was full.", tags)
-        for metric in (self.drafts, self.draft_tokens, self.accepted, self.per_position, self.latency, self.ttft,
-                       self.rate, self.waiting, self.running, self.shed):
+        self.shed = metrics.Counter(
+            "griffin_num_requests_shed", "Completions refused with 503/429 because the replica's queue was full.", tags
+        )
+        for metric in (
+            self.drafts,
+            self.draft_tokens,
+            self.accepted,
+            self.per_position,
+            self.latency,
+            self.ttft,
+            self.rate,
+            self.waiting,
+            self.running,
+            self.shed,
+        ):
             metric.set_default_tags({"model": model})
 
     def record(self, trace: DecodeTrace) -> None:

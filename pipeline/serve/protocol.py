@@ -79,8 +79,11 @@ class SamplingRequest(_Strict):
     def check(self) -> None:
         """Cross-field rules the schema cannot state; raises ApiError."""
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise ApiError(f"'max_tokens'={self.max_tokens} and 'max_completion_tokens'={self.max_completion_tokens} "
-                           "disagree; they are the same limit, send only one", "max_completion_tokens")
+            raise ApiError(
+                f"'max_tokens'={self.max_tokens} and 'max_completion_tokens'={self.max_completion_tokens} "
+                "disagree; they are the same limit, send only one",
+                "max_completion_tokens",
+            )
         if self.stream_options is not None and not self.stream:
             raise ApiError("'stream_options' is only allowed with 'stream': true", "stream_options")
 
@@ -111,15 +114,23 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-FIELDS = {name for m in (TextPart, ChatMessage, StreamOptions, ChatRequest, CompletionRequest)
-          for name in m.model_fields}
+FIELDS = {
+    name for m in (TextPart, ChatMessage, StreamOptions, ChatRequest, CompletionRequest) for name in m.model_fields
+}
 
 
 class ApiError(Exception):
     """A request the server refuses, as an OpenAI-style error body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.param, self.status, self.code, self.kind, self.headers = param, status, code, kind, headers
 
@@ -138,8 +149,11 @@ def _validation_error(error: ValidationError) -> ApiError:
     got = f"(got {first.get('input')!r:.80})"
     if first["type"] == "missing":
         return ApiError(f"missing required field '{param}'", param)
-    tags = [e["loc"][-1] for e in errors if len(e["loc"]) == len(first["loc"])
-            and isinstance(e["loc"][-1], str) and e["loc"][-1] not in FIELDS]
+    tags = [
+        e["loc"][-1]
+        for e in errors
+        if len(e["loc"]) == len(first["loc"]) and isinstance(e["loc"][-1], str) and e["loc"][-1] not in FIELDS
+    ]
     if len(tags) > 1:  # no branch of a union fits
         return ApiError(f"invalid '{param}': expected one of {', '.join(map(str, tags))} {got}", param)
     return ApiError(f"invalid '{param}': {first['msg']} {got}", param)
@@ -173,18 +187,26 @@ def _check_values(body: Any) -> None:
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, (dict, list)) and depth > MAX_JSON_DEPTH:
-            raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at '{_where(path)}'); "
-                           "flatten it", _where(path))
+            raise ApiError(
+                f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at '{_where(path)}'); flatten it",
+                _where(path),
+            )
         if isinstance(value, dict):
             stack.extend((item, (*path, key), depth + 1) for key, item in value.items())
         elif isinstance(value, list):
             stack.extend((item, (*path, index), depth + 1) for index, item in enumerate(value))
         elif isinstance(value, _HugeInt):
-            raise ApiError(f"'{_where(path)}' is an integer with {value.digits} digits; integers in a request have "
-                           f"at most {MAX_INT_DIGITS} digits: use a value in the field's range", _where(path))
+            raise ApiError(
+                f"'{_where(path)}' is an integer with {value.digits} digits; integers in a request have "
+                f"at most {MAX_INT_DIGITS} digits: use a value in the field's range",
+                _where(path),
+            )
         elif isinstance(value, float) and not math.isfinite(value):
-            raise ApiError(f"'{_where(path)}' must be a finite number, got {value} (NaN, Infinity and numbers "
-                           "beyond the float range such as 1e999 are not accepted)", _where(path))
+            raise ApiError(
+                f"'{_where(path)}' must be a finite number, got {value} (NaN, Infinity and numbers "
+                "beyond the float range such as 1e999 are not accepted)",
+                _where(path),
+            )
 
 
 def parse_json(raw: bytes) -> Any:
@@ -192,8 +214,9 @@ def parse_json(raw: bytes) -> Any:
     try:
         body = json.loads(raw, parse_int=_parse_int, parse_constant=float)
     except RecursionError:
-        raise ApiError(f"the request body nests too deeply to parse; requests nest at most {MAX_JSON_DEPTH} "
-                       "levels") from None
+        raise ApiError(
+            f"the request body nests too deeply to parse; requests nest at most {MAX_JSON_DEPTH} levels"
+        ) from None
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
         raise ApiError(f"the request body is not valid JSON: {error}") from None
     _check_values(body)
@@ -228,8 +251,11 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     for name, (neutral, why) in REFUSED.items():
         if name in body and not _neutral(body[name], neutral):
             allowed = " or ".join(json.dumps(n) for n in (None, *neutral))
-            raise ApiError(f"'{name}' is not supported by this server: {why}. Remove it (or send {allowed})",
-                           name, code="unsupported_parameter")
+            raise ApiError(
+                f"'{name}' is not supported by this server: {why}. Remove it (or send {allowed})",
+                name,
+                code="unsupported_parameter",
+            )
 
 
 def parse_request(raw: bytes, schema: type[SamplingRequest]) -> SamplingRequest:
@@ -284,9 +310,14 @@ def speculative_block(result: Any, enabled: bool, tree: Any, token_ids: list[int
     """A GenerationResult's stats as the response's ``speculative`` block (tau includes the bonus token);
     ``token_ids`` (the emitted ids, on ``return_token_ids``) let a client compare outputs token by token."""
     stats = result.stats
-    block = {"enabled": enabled, "rounds": stats.rounds, "accepted_tokens": sum(stats.accepted_per_round),
-             "acceptance_length": stats.acceptance_length, "accepted_per_round": stats.accepted_per_round,
-             "draft_tokens_per_round": tree.total_tokens - 1 if enabled else 0}
+    block = {
+        "enabled": enabled,
+        "rounds": stats.rounds,
+        "accepted_tokens": sum(stats.accepted_per_round),
+        "acceptance_length": stats.acceptance_length,
+        "accepted_per_round": stats.accepted_per_round,
+        "draft_tokens_per_round": tree.total_tokens - 1 if enabled else 0,
+    }
     if token_ids is not None:
         block["token_ids"] = token_ids
     return block
@@ -315,19 +346,25 @@ class LogprobFormatter:
 
     def format(self, tokens: list[int], entries: list[Any]) -> dict[str, Any]:
         if self.chat:
-            content = [{**self._chat_item(token, entry.logprob),
-                        "top_logprobs": [self._chat_item(i, v) for i, v in entry.top]}
-                       for token, entry in zip(tokens, entries)]
+            content = [
+                {**self._chat_item(token, entry.logprob), "top_logprobs": [self._chat_item(i, v) for i, v in entry.top]}
+                for token, entry in zip(tokens, entries)
+            ]
             return {"content": content, "refusal": None}
         texts = [self._text(token) for token in tokens]
         offsets = []
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
-        tops = ([{self._text(i): max(v, LOGPROB_FLOOR) for i, v in entry.top} for entry in entries]
-                if self.top_n else None)
-        return {"tokens": texts, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}
+        tops = (
+            [{self._text(i): max(v, LOGPROB_FLOOR) for i, v in entry.top} for entry in entries] if self.top_n else None
+        )
+        return {
+            "tokens": texts,
+            "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -346,5 +383,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(size: str, limit: int) -> ApiError:
-    return ApiError(f"the request body is {size} bytes; this server accepts at most {limit} bytes "
-                    "(serve.max_body_bytes): shorten the prompt", status=413, code="request_too_large")
+    return ApiError(
+        f"the request body is {size} bytes; this server accepts at most {limit} bytes "
+        "(serve.max_body_bytes): shorten the prompt",
+        status=413,
+        code="request_too_large",
+    )

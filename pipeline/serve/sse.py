@@ -26,7 +26,7 @@ class StreamLogprobs:
         upto = min(upto, len(self.entries), len(tokens))
         if upto <= self.sent:
             return None
-        part = self.formatter.format(tokens[self.sent:upto], self.entries[self.sent:upto])
+        part = self.formatter.format(tokens[self.sent : upto], self.entries[self.sent : upto])
         self.sent = upto
         return part
 
@@ -62,8 +62,9 @@ class TextStream:
     each delta is a ``TextDelta`` saying how many tokens the text sent so far covers (a few extra
     decodes per round, only for streams that asked for log-probabilities)."""
 
-    def __init__(self, tokenizer: Any, stop_ids: list[int], stops: list[str], track_tokens: bool = False,
-                 emit: bool = True):
+    def __init__(
+        self, tokenizer: Any, stop_ids: list[int], stops: list[str], track_tokens: bool = False, emit: bool = True
+    ):
         self.tokenizer, self.stop_ids, self.stops = tokenizer, list(stop_ids), stops
         self.tokens: list[int] = []
         self.sent, self.stopped = "", False
@@ -97,7 +98,7 @@ class TextStream:
             ready = text[: min(pending, len(text.rstrip()))]
         if len(ready) <= len(self.sent) or not ready.startswith(self.sent):
             return ""  # nothing new, or the decoded prefix changed: wait, ``finish`` settles it
-        delta, self.sent = TextDelta(ready[len(self.sent):]), ready
+        delta, self.sent = TextDelta(ready[len(self.sent) :]), ready
         if self.track_tokens:
             self.covered = delta.covered = self._cover(body)
         return delta
@@ -108,20 +109,29 @@ class TextStream:
         if not text.startswith(self.sent):  # only a tokenizer that rewrites far back could do this
             logger.warning("streamed text %r is not a prefix of the final text %r", self.sent, text)
             return "", n_tokens, hit
-        return text[len(self.sent):], n_tokens, hit
+        return text[len(self.sent) :], n_tokens, hit
 
 
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_chunk(head: dict, chat: bool, delta: dict[str, str], finish_reason: str | None = None,
-              extra: dict | None = None, logprobs: dict | None = None) -> str:
+def sse_chunk(
+    head: dict,
+    chat: bool,
+    delta: dict[str, str],
+    finish_reason: str | None = None,
+    extra: dict | None = None,
+    logprobs: dict | None = None,
+) -> str:
     """One OpenAI stream chunk: a chat ``delta`` ({"role"}/{"content"}) or a completion's ``text``,
     with the ``logprobs`` of its tokens when asked; the final one carries ``finish_reason`` and
     ``extra`` (usage, the speculative block)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    choice = ({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if chat else
-              {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": logprobs})
+    choice = (
+        {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if chat
+        else {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": logprobs}
+    )
     return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **(extra or {})})}\n\n"
 
 
@@ -131,9 +141,15 @@ def usage_chunk(head: dict, chat: bool, extra: dict) -> str:
     return f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': extra['usage']})}\n\n"
 
 
-async def sse_stream(items: AsyncIterator[Any], text: TextStream, head: dict, chat: bool,
-                     tail: Callable[[Any, int, bool], tuple[str, dict]], logprobs: StreamLogprobs | None = None,
-                     include_usage: bool = False) -> AsyncIterator[str]:
+async def sse_stream(
+    items: AsyncIterator[Any],
+    text: TextStream,
+    head: dict,
+    chat: bool,
+    tail: Callable[[Any, int, bool], tuple[str, dict]],
+    logprobs: StreamLogprobs | None = None,
+    include_usage: bool = False,
+) -> AsyncIterator[str]:
     """A stream's events: (chat) the role chunk, one chunk per text delta the moment ``items`` yields it,
     then the final chunk with ``tail(result, completion_tokens, hit_stop)`` = (finish_reason, extra
     fields), where ``result`` is the last item, and [DONE]. Closing this closes ``items``.
@@ -159,8 +175,7 @@ async def sse_stream(items: AsyncIterator[Any], text: TextStream, head: dict, ch
         yield f"data: {json.dumps(ApiError(f'internal error: {error}', kind='server_error').body())}\n\n"
         return
     delta, n_tokens, hit = text.finish()
-    rest = (logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids))
-            if logprobs else None)
+    rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None
     if delta:
         yield sse_chunk(head, chat, {"content": delta}, logprobs=rest)
         rest = None

@@ -56,8 +56,9 @@ def token_frequencies(store: str, exclude: set[str], reply_only: bool = False) -
     return counts
 
 
-def reduced_vocabulary(store: str, size: int, vocab_size: int, exclude: set[str],
-                       reply_only: bool = False) -> torch.Tensor:
+def reduced_vocabulary(
+    store: str, size: int, vocab_size: int, exclude: set[str], reply_only: bool = False
+) -> torch.Tensor:
     """The ``size`` most frequent target ids of the training split (all tokens, or only reply
     tokens), ties by id, sorted by id; rarely-seen ids fill up the rest when the data has fewer
     distinct tokens (EAGLE-3's d2t)."""
@@ -74,8 +75,9 @@ def split_rows(files: list[str], ids: set[str], keep: bool, layers: bool = False
     return (row for row in iter_rows(files, layers) if (row["sample_id"] in ids) == keep)
 
 
-def rank_rows(files: list[str], exclude: set[str], rank: int, world: int, seed: int, skip: int,
-              layers: bool = False) -> Iterator[dict]:
+def rank_rows(
+    files: list[str], exclude: set[str], rank: int, world: int, seed: int, skip: int, layers: bool = False
+) -> Iterator[dict]:
     """This rank's endless stream of train rows (epoch after epoch), after skipping ``skip`` rows."""
     epoch, seen = 0, 0
     while True:
@@ -107,8 +109,14 @@ def _windowed_shuffle(rows, rng: random.Random, window: list[dict]) -> Iterator[
     window.clear()
 
 
-def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, device,
-                    window: LossWindow = "draft", layers: bool = False) -> Iterator[tuple[ShiftedBatch, list[str]]]:
+def shifted_batches(
+    rows: Iterator[dict],
+    batch_tokens: int,
+    hidden_size: int,
+    device,
+    window: LossWindow = "draft",
+    layers: bool = False,
+) -> Iterator[tuple[ShiftedBatch, list[str]]]:
     """Padded, shifted training batches and the "<epoch>:<sample id>" of each row in them; with
     ``layers`` the batches' inputs are the rows' feature layers (a multi-layer draft's)."""
     epochs: dict[str, int] = {}
@@ -120,8 +128,11 @@ def shifted_batches(rows: Iterator[dict], batch_tokens: int, hidden_size: int, d
 
     for batch in pad_batches(remember(rows), batch_tokens, hidden_size, layers):
         shifted = shift_batch(
-            batch["features"].to(device), batch["input_ids"].to(device),
-            batch["loss_mask"].to(device), batch["attention_mask"].to(device), window,
+            batch["features"].to(device),
+            batch["input_ids"].to(device),
+            batch["loss_mask"].to(device),
+            batch["attention_mask"].to(device),
+            window,
             batch["layer_features"].to(device) if layers else None,
         )
         yield shifted, [f"{epochs[sid]}:{sid}" for sid in batch["sample_ids"]]

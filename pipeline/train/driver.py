@@ -30,8 +30,14 @@ from torch import Tensor
 from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
 from griffin.target import fast_bf16, release_freed_memory
-from griffin.training import (acceptance_counts, acceptance_metrics, make_optimizer, make_scheduler, teacher_ids,
-                              train_step)
+from griffin.training import (
+    acceptance_counts,
+    acceptance_metrics,
+    make_optimizer,
+    make_scheduler,
+    teacher_ids,
+    train_step,
+)
 from griffin.checkpoint import load_draft, save_draft, tensors_sha256
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.console import Progress, say
@@ -90,9 +96,17 @@ def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, r
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
     weights = tensors_sha256(dict(draft.named_parameters()))  # ranks must agree (DDP)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rows_consumed": rows, "rng": torch.get_rng_state(), "weights_sha256": weights},
-               directory / f"train_state_rank{rank}.pt")
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "rows_consumed": rows,
+            "rng": torch.get_rng_state(),
+            "weights_sha256": weights,
+        },
+        directory / f"train_state_rank{rank}.pt",
+    )
 
 
 def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
@@ -114,8 +128,17 @@ def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: b
     is a (T, V_target) head matmul per batch that never changes between evaluations. Chains start
     where a decode's do (the "draft" window), whatever window training uses, so that drafts trained
     either way are scored alike."""
-    batches = [batch for batch, _ in shifted_batches(iter(eval_rows), cfg.train.batch_tokens, draft.cfg.hidden_size,
-                                                     target_head.device, "draft", bool(draft.cfg.feature_layers))]
+    batches = [
+        batch
+        for batch, _ in shifted_batches(
+            iter(eval_rows),
+            cfg.train.batch_tokens,
+            draft.cfg.hidden_size,
+            target_head.device,
+            "draft",
+            bool(draft.cfg.feature_layers),
+        )
+    ]
     return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
 
 
@@ -165,8 +188,16 @@ def train_worker(config: dict[str, Any]) -> None:
         rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
         with open(Path(config["stage_dir"]) / f"data_rank{rank}.jsonl", "a") as log:  # data audit trail
-            log.write(json.dumps({"step": step, "node": ray.get_runtime_context().get_node_id(),
-                                  "sample_ids": [s for batch in ids for s in batch]}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "node": ray.get_runtime_context().get_node_id(),
+                        "sample_ids": [s for batch in ids for s in batch],
+                    }
+                )
+                + "\n"
+            )
         if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
             fail_marker.touch()
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
@@ -178,12 +209,16 @@ def train_worker(config: dict[str, Any]) -> None:
             elapsed = time.time() - started
             rate = tokens_done / max(elapsed, 1e-9)
             eta = elapsed / (step - first_step) * (stage.steps - step)
-            print(f"[train stage {stage.stage}] step {step}/{stage.steps} loss {metrics['loss']:.4f} "
-                  f"tok/s {rate:.0f} eta {eta:.0f}s" + (f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""),
-                  flush=True)
+            print(
+                f"[train stage {stage.stage}] step {step}/{stage.steps} loss {metrics['loss']:.4f} "
+                f"tok/s {rate:.0f} eta {eta:.0f}s" + (f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""),
+                flush=True,
+            )
             _write_progress(Path(config["stage_dir"]), step, metrics["loss"], report.get(SCORE))
-            client.log_batch(config["mlflow_run_id"], metrics=[
-                Metric(k, float(v), int(time.time() * 1000), step) for k, v in report.items()])
+            client.log_batch(
+                config["mlflow_run_id"],
+                metrics=[Metric(k, float(v), int(time.time() * 1000), step) for k, v in report.items()],
+            )
         if do_ckpt:
             with tempfile.TemporaryDirectory() as tmp:
                 provenance = {**config["provenance"], "step": step, "metrics": report}
@@ -214,8 +249,9 @@ def _console_progress(out: Path, stage: StageSection, stages: list[int]) -> Iter
     """While ``fit`` runs: the stage's console line, fed from the progress file rank 0 writes.
     "stage 2/3" for a schedule of stages 1..3; "stage 3" for a schedule that is not (a fine-tune)."""
     of = f"/{len(stages)}" if stages == list(range(1, len(stages) + 1)) else ""
-    progress = Progress(f"train stage {stage.stage}{of}", stage.steps, "steps",
-                        initial=_read_progress(out).get("step", 0))  # a resumed stage starts near there
+    progress = Progress(
+        f"train stage {stage.stage}{of}", stage.steps, "steps", initial=_read_progress(out).get("step", 0)
+    )  # a resumed stage starts near there
     stop = threading.Event()
 
     def watch() -> None:
@@ -246,28 +282,52 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     run_id_file = out / "mlflow_run_id"
     if not _run_exists(mlflow, run_id_file):  # reuse the MLflow run when an interrupted stage resumes
         with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}") as run:
-            mlflow.log_params({"variant": cfg.draft.variant, "stage": stage.stage, "steps": stage.steps,
-                               "workers": cfg.train.num_workers, **cfg.train.method.model_dump(),
-                               **{f"plan.{k}": v for k, v in plan.model_dump().items()}})
+            mlflow.log_params(
+                {
+                    "variant": cfg.draft.variant,
+                    "stage": stage.stage,
+                    "steps": stage.steps,
+                    "workers": cfg.train.num_workers,
+                    **cfg.train.method.model_dump(),
+                    **{f"plan.{k}": v for k, v in plan.model_dump().items()},
+                }
+            )
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
             run_id_file.write_text(run.info.run_id)
     run_id = run_id_file.read_text().strip()
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"run": cfg.resolved(), "stage": stage.model_dump(), "plan": plan.model_dump(mode="json"),
-                           "init_dir": init_dir, "d2t": d2t,
-                           "files": part_files(cfg.store_path), "eval_ids": sorted(context["eval_ids"]),
-                           "mlflow_run_id": run_id, "stage_dir": str(out.resolve()),
-                           "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id,
-                                          "init_from": init_dir}},
-        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker, **cfg.train.resources},
-                                     placement_strategy=cfg.train.placement_strategy),
+        train_loop_config={
+            "run": cfg.resolved(),
+            "stage": stage.model_dump(),
+            "plan": plan.model_dump(mode="json"),
+            "init_dir": init_dir,
+            "d2t": d2t,
+            "files": part_files(cfg.store_path),
+            "eval_ids": sorted(context["eval_ids"]),
+            "mlflow_run_id": run_id,
+            "stage_dir": str(out.resolve()),
+            "provenance": {
+                **context["provenance"],
+                "stage": stage.stage,
+                "train_run_id": run_id,
+                "init_from": init_dir,
+            },
+        },
+        scaling_config=ScalingConfig(
+            num_workers=cfg.train.num_workers,
+            use_gpu=cfg.train.use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **cfg.train.resources},
+            placement_strategy=cfg.train.placement_strategy,
+        ),
         run_config=RayRunConfig(
-            name=f"{cfg.run_name}-stage{stage.stage}", storage_path=str((cfg.run_dir / "ray_train").resolve()),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE,
-                                               checkpoint_score_order="max"),
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+            name=f"{cfg.run_name}-stage{stage.stage}",
+            storage_path=str((cfg.run_dir / "ray_train").resolve()),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
+            ),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+        ),
     )
     with _console_progress(out, stage, [s.stage for s in cfg.train.schedule]) as progress:
         result = trainer.fit()
@@ -325,8 +385,10 @@ def _checked_init(cfg: RunConfig, target) -> str | None:
         if cfg.train.init_from is not None:
             raise ValueError("draft.init_layer and train.init_from both say where the draft starts; keep one")
         if not -layers <= cfg.draft.init_layer < layers:
-            raise ValueError(f"draft.init_layer={cfg.draft.init_layer}: the target has {layers} decoder layers "
-                             f"(0..{layers - 1}, or -1..-{layers} from the end)")
+            raise ValueError(
+                f"draft.init_layer={cfg.draft.init_layer}: the target has {layers} decoder layers "
+                f"(0..{layers - 1}, or -1..-{layers} from the end)"
+            )
         draft_cfg = DraftConfig.from_target(target.hf_config, variant=cfg.draft.variant, **cfg.draft.overrides)
         with torch.device("meta"):  # shapes only: the variant and shapes fit, or a clear error
             draft = GriffinDraft(draft_cfg, target.embed_weight, target.head_weight)
@@ -346,9 +408,11 @@ def _check_store_layers(cfg: RunConfig, target, manifest: dict[str, Any]) -> Non
     wanted = draft_feature_layers(cfg, target)
     stored = manifest["capture_key"].get("feature_layers")
     if wanted and list(wanted) != stored:
-        raise ValueError(f"draft.variant={cfg.draft.variant!r} reads target layers {list(wanted)}, but the feature store "
-                         f"{cfg.store_path} holds {stored or 'only the final feature'}; featurize into a new "
-                         f"features.store with features.layers={list(wanted)} (or 'auto')")
+        raise ValueError(
+            f"draft.variant={cfg.draft.variant!r} reads target layers {list(wanted)}, but the feature store "
+            f"{cfg.store_path} holds {stored or 'only the final feature'}; featurize into a new "
+            f"features.store with features.layers={list(wanted)} (or 'auto')"
+        )
 
 
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
@@ -364,12 +428,24 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     eval_ids = eval_split(cfg.store_path, cfg.train.eval_fraction)
     d2t = None
     if cfg.draft.draft_vocab_size:
-        d2t = reduced_vocabulary(cfg.store_path, cfg.draft.draft_vocab_size, target.vocab_size, eval_ids,
-                                 reply_only=cfg.draft.vocab_from == "reply").tolist()
-    context = {"eval_ids": eval_ids, "provenance": {
-        "store": cfg.store_path,
-        "algorithm": "griffin", "variant": cfg.draft.variant, "target": target_fingerprint(target),
-        "feature_manifest_sha256": manifest_sha, "resolved_config": cfg.resolved()}}
+        d2t = reduced_vocabulary(
+            cfg.store_path,
+            cfg.draft.draft_vocab_size,
+            target.vocab_size,
+            eval_ids,
+            reply_only=cfg.draft.vocab_from == "reply",
+        ).tolist()
+    context = {
+        "eval_ids": eval_ids,
+        "provenance": {
+            "store": cfg.store_path,
+            "algorithm": "griffin",
+            "variant": cfg.draft.variant,
+            "target": target_fingerprint(target),
+            "feature_manifest_sha256": manifest_sha,
+            "resolved_config": cfg.resolved(),
+        },
+    }
     summaries, init_dir = [], _checked_init(cfg, target)
     for item in schedule:
         done = stage_dir(cfg, item.stage) / "_complete.json"
@@ -378,8 +454,10 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
         elif stage is None or item.stage == stage:
             _run_stage(cfg, item, init_dir, d2t if init_dir is None else None, context)
         elif stage is not None and item.stage < stage:
-            raise ValueError(f"stage {stage} starts from stage {item.stage}, which has not been trained yet; "
-                             f"run `griffin train` without --stage or with --stage {item.stage} first")
+            raise ValueError(
+                f"stage {stage} starts from stage {item.stage}, which has not been trained yet; "
+                f"run `griffin train` without --stage or with --stage {item.stage} first"
+            )
         if done.exists():
             summaries.append(json.loads(done.read_text()))
             init_dir = str(done.parent / "best")

@@ -23,7 +23,7 @@ def outside_checkout(path: str, repo: str) -> bool:
     path = os.path.abspath(path)
     if not path.startswith(parent + os.sep) or path == repo or path.startswith(repo + os.sep):
         return False
-    below = path[len(parent) + 1:]
+    below = path[len(parent) + 1 :]
     if parent == _TMP and (below.startswith(SCRATCH) or below in GIT_PROBES):
         return False
     return True
