@@ -4,7 +4,9 @@ project function cannot leave a script dead without a failing test."""
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -41,3 +43,16 @@ def test_benchmark_script_imports(script, monkeypatch):
     spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+
+
+PROJECT_IMPORT = re.compile(r"^\s*from ((?:pipeline|griffin)[\w.]*) import ([\w, ]+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO / "benchmarks")))
+def test_project_imports_in_script_templates_resolve(script):
+    """Project imports anywhere in a script, the code it runs in a subprocess included, name real things."""
+    for module_name, names in PROJECT_IMPORT.findall(script.read_text()):
+        module = importlib.import_module(module_name)
+        for name in (n.strip().split(" as ")[0] for n in names.split(",")):
+            if name and not hasattr(module, name):
+                importlib.import_module(f"{module_name}.{name}")  # a submodule, or the ImportError names it

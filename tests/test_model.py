@@ -141,7 +141,8 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(arch):
 
 def test_draft_init_layer_is_checked_before_training_starts(tiny_llama):
     from pipeline.config import load_config
-    from pipeline.train.driver import _checked_init, _init_draft
+    from pipeline.train.driver import _checked_init
+    from pipeline.train.worker import _init_draft
     from tests.conftest import REPO
 
     tiny = REPO / "jobs" / "configs" / "tiny.yaml"

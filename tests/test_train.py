@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
-from pipeline.train.driver import SCORE, run_train, stage_dir
+from pipeline.train.driver import run_train, stage_dir
+from pipeline.train.worker import SCORE
 
 CONVERSATIONS = [
     {
@@ -210,7 +211,7 @@ def test_a_worker_keeps_the_draft_and_the_head_but_not_the_target(monkeypatch):
     gone once it is built (only its embedding and head stay, bound to the draft)."""
     import weakref
 
-    import pipeline.train.driver as train
+    import pipeline.train.worker as train
     from pipeline.resources.targets import load_target
 
     cfg = load_config("jobs/configs/tiny.yaml", ["draft.init_layer=0"])

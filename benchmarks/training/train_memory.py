@@ -1,5 +1,5 @@
 """Resident memory of a training worker once its draft is built: with the whole target kept beside
-the draft (before) or lent and dropped (``pipeline.train.driver._worker_draft``, now).
+the draft (before) or lent and dropped (``pipeline.train.worker._worker_draft``, now).
 
 Each arm runs in its own fresh process, three times alternating, builds what a ``griffin train``
 worker of the config builds before its first step (on the CPU), and reads its RSS from
@@ -22,8 +22,8 @@ ARM = """
 import gc, json, sys
 sys.path.insert(0, {root!r})
 from pipeline.config import load_config
-from pipeline.resources import load_target
-from pipeline.train import _init_draft, _worker_draft
+from pipeline.resources.targets import load_target
+from pipeline.train.worker import _init_draft, _worker_draft
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 cfg = load_config({config!r})

@@ -12,42 +12,27 @@ interrupted one from its latest checkpoint (same run name + storage path).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import shutil
-import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
-from griffin.target import fast_bf16, release_freed_memory
-from griffin.training import (
-    acceptance_counts,
-    acceptance_metrics,
-    make_optimizer,
-    make_scheduler,
-    teacher_ids,
-    train_step,
-)
-from griffin.checkpoint import load_draft, save_draft, tensors_sha256
-from pipeline.config import RunConfig, StageSection, config_from_dict
+from pipeline.config import RunConfig, StageSection
 from pipeline.console import Progress, say
 from pipeline.runtime import ensure_ray, setup_mlflow
 from pipeline.data.store import check_capture_key, part_files
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.targets import draft_feature_layers, load_target, target_fingerprint
-from pipeline.train.batches import eval_split, rank_rows, reduced_vocabulary, shifted_batches, split_rows
-
-SCORE = "eval/sim_accept_len"
+from pipeline.train.worker import SCORE, StageProgress, train_worker
+from pipeline.train.batches import eval_split, reduced_vocabulary
 
 
 def stage_dir(cfg: RunConfig, stage: int) -> Path:
@@ -60,221 +45,68 @@ def stage_plan(cfg: RunConfig, stage: StageSection) -> StagePlan:
     return StagePlan.for_stage(stage.stage, cfg.draft.variant, stage.steps, stage.lr, cfg.train.method.total_steps)
 
 
-# ---------------------------------------------------------------- worker side -------------
-def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | None) -> GriffinDraft:
-    if init_dir:
-        return load_draft(init_dir, target, dtype=torch.float32)  # fp32 master weights
-    torch.manual_seed(cfg.train.seed)  # identical init on every rank
-    d2t_tensor = torch.tensor(d2t) if d2t else None
-    draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, d2t=d2t_tensor, **cfg.draft.overrides)
-    if cfg.draft.init_layer is not None:
-        draft.start_from_target_layer(target.backbone.layers[cfg.draft.init_layer])
-    return draft.cast_parameters(torch.float32)  # fp32 master weights; frozen target tensors stay
-
-
-def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, device) -> tuple[GriffinDraft, Tensor]:
-    """A worker's draft on ``device`` and the target's full LM head there (V_target, D), the teacher of
-    the held-out score. The target only lends the draft its frozen embedding and head (and
-    ``draft.init_layer`` a layer), so it is loaded on the CPU (in the dtype resolved for
-    ``target.device``) and dropped: a worker keeps those tensors, not the whole target
-    (benchmarks/training/train_memory.md), and its GPU never holds the target."""
-    target = load_target(cfg.target, device="cpu")
-    draft = _init_draft(cfg, target, init_dir, d2t)
-    tied = draft.embed_weight.data_ptr() == draft.head_weight.data_ptr()  # a tied target's one tensor
-    draft = draft.to(device)
-    if tied:  # .to copies each buffer: keep one copy on the device, as on the host
-        draft.head_weight = draft.embed_weight
-    # without a reduced vocabulary the draft's frozen head is the target's whole head already
-    target_head = draft.head_weight if draft.d2t is None else target.head_weight.to(device)
-    del target
-    gc.collect()  # reference cycles, if any, must not hold the target's layers until a later collection
-    release_freed_memory()
-    return draft, target_head
-
-
-def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
-    if rank == 0:
-        save_draft(draft, directory / "draft", provenance)
-    weights = tensors_sha256(dict(draft.named_parameters()))  # ranks must agree (DDP)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            "rows_consumed": rows,
-            "rng": torch.get_rng_state(),
-            "weights_sha256": weights,
-        },
-        directory / f"train_state_rank{rank}.pt",
-    )
-
-
-def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
-    if checkpoint is None:
-        return 0, 0
-    from safetensors.torch import load_file
-
-    with checkpoint.as_directory() as directory:
-        draft.load_state_dict(load_file(Path(directory) / "draft" / "model.safetensors"), strict=True)
-        state = torch.load(Path(directory) / f"train_state_rank{rank}.pt", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    return state["step"], state["rows_consumed"]
-
-
-def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: bool) -> list[tuple]:
-    """The held-out batches with the target's greedy ids on them, built once per worker: the teacher
-    is a (T, V_target) head matmul per batch that never changes between evaluations. Chains start
-    where a decode's do (the "draft" window), whatever window training uses, so that drafts trained
-    either way are scored alike."""
-    batches = [
-        batch
-        for batch, _ in shifted_batches(
-            iter(eval_rows),
-            cfg.train.batch_tokens,
-            draft.cfg.hidden_size,
-            target_head.device,
-            "draft",
-            bool(draft.cfg.feature_layers),
-        )
-    ]
-    return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
-
-
-def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bool) -> dict[str, float]:
-    """eval/acc_k and eval/sim_accept_len on the held-out rows, in the training precision."""
-    counts = torch.zeros(2, cfg.train.eval_steps, dtype=torch.float64)
-    for batch, teacher in eval_set:
-        counts += acceptance_counts(draft, batch, cfg.train.eval_steps, bf16=bf16, teacher=teacher)
-    if world > 1:
-        torch.distributed.all_reduce(counts)
-    return acceptance_metrics(counts)
-
-
-def train_worker(config: dict[str, Any]) -> None:
-    import ray
-    import ray.train
-    import ray.train.torch
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
-    cfg, stage = config_from_dict(config["run"]), StageSection(**config["stage"])
-    method, plan = cfg.train.method, StagePlan(**config["plan"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    draft, target_head = _worker_draft(cfg, config["init_dir"], config["d2t"], device)
-    model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
-    optimizer = make_optimizer(draft, method, plan)
-    scheduler = make_scheduler(optimizer, method, plan)
-    step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
-    files, eval_ids = config["files"], set(config["eval_ids"])
-    layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
-    rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed, layers)
-    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window, layers)
-    eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True, layers=layers)) if i % world == rank]
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
-    eval_set = _eval_set(draft, eval_rows, cfg, target_head, bf16)
-    client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
-    fail_marker = Path(config["stage_dir"]) / "_injected_failure"
-    started, tokens_done, first_step = time.time(), 0.0, step
-
-    while step < stage.steps:
-        micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
-        generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head)
-        step += 1
-        rows_consumed += sum(len(x) for x in ids)
-        tokens_done += metrics["tokens"] * world
-        with open(Path(config["stage_dir"]) / f"data_rank{rank}.jsonl", "a") as log:  # data audit trail
-            log.write(
-                json.dumps(
-                    {
-                        "step": step,
-                        "node": ray.get_runtime_context().get_node_id(),
-                        "sample_ids": [s for batch in ids for s in batch],
-                    }
-                )
-                + "\n"
-            )
-        if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
-            fail_marker.touch()
-            raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
-        report = {f"train/{k}": v for k, v in metrics.items()}
-        do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
-        if do_ckpt or step % cfg.train.eval_every == 0:
-            report.update(_evaluate(draft, eval_set, cfg, world, bf16))
-        if rank == 0:
-            elapsed = time.time() - started
-            rate = tokens_done / max(elapsed, 1e-9)
-            eta = elapsed / (step - first_step) * (stage.steps - step)
-            print(
-                f"[train stage {stage.stage}] step {step}/{stage.steps} loss {metrics['loss']:.4f} "
-                f"tok/s {rate:.0f} eta {eta:.0f}s" + (f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""),
-                flush=True,
-            )
-            _write_progress(Path(config["stage_dir"]), step, metrics["loss"], report.get(SCORE))
-            client.log_batch(
-                config["mlflow_run_id"],
-                metrics=[Metric(k, float(v), int(time.time() * 1000), step) for k, v in report.items()],
-            )
-        if do_ckpt:
-            with tempfile.TemporaryDirectory() as tmp:
-                provenance = {**config["provenance"], "step": step, "metrics": report}
-                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, rows_consumed, rank, provenance)
-                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-        elif SCORE in report:
-            ray.train.report(report)
-
-
-def _write_progress(out: Path, step: int, loss: float, score: float | None) -> None:
-    """Where the stage is, for the driver's console line (atomic: the driver reads it any time)."""
-    previous = _read_progress(out)
-    record = {"step": step, "loss": loss, "score": score if score is not None else previous.get("score")}
-    tmp = out / ".progress.json.tmp"
-    tmp.write_text(json.dumps(record))
-    tmp.replace(out / "progress.json")
-
-
-def _read_progress(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "progress.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
 @contextmanager
-def _console_progress(out: Path, stage: StageSection, stages: list[int]) -> Iterator[Progress]:
-    """While ``fit`` runs: the stage's console line, fed from the progress file rank 0 writes.
+def _console_progress(stage: StageSection, stages: list[int]) -> Iterator[tuple[Progress, Any]]:
+    """While ``fit`` runs: the stage's console line, fed by the ``StageProgress`` actor that rank 0
+    pushes each step to; yields (the line, the actor handle for the workers).
     "stage 2/3" for a schedule of stages 1..3; "stage 3" for a schedule that is not (a fine-tune)."""
+    import ray
+
     of = f"/{len(stages)}" if stages == list(range(1, len(stages) + 1)) else ""
-    progress = Progress(
-        f"train stage {stage.stage}{of}", stage.steps, "steps", initial=_read_progress(out).get("step", 0)
-    )  # a resumed stage starts near there
+    progress = Progress(f"train stage {stage.stage}{of}", stage.steps, "steps")
+    channel = ray.remote(num_cpus=0)(StageProgress).remote()
     stop = threading.Event()
 
     def watch() -> None:
+        first = True
         while not stop.wait(2.0):
-            state = _read_progress(out)
+            try:
+                state = ray.get(channel.latest.remote(), timeout=10)
+            except Exception:  # Ray going down with the driver: the line just stops moving
+                return
             if state:
+                if first:  # a resumed stage starts near there: its rate counts from the step it resumed at
+                    progress.initial, first = max(state["step"] - 1, 0), False
                 score = f"  held-out {state['score']:.3f}" if state.get("score") is not None else ""
                 progress.update(state["step"], f"loss {state['loss']:.3f}{score}")
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        yield progress
+        yield progress, channel
     finally:
         stop.set()
         watcher.join()
+        ray.kill(channel)
 
 
-# ---------------------------------------------------------------- driver side -------------
-def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
+def _trainer(cfg: RunConfig, stage: StageSection, loop_config: dict[str, Any]):
+    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, checkpoints kept by
+    the held-out score, resumable under the same run name and storage path."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(
+            num_workers=cfg.train.num_workers,
+            use_gpu=cfg.train.use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **cfg.train.resources},
+            placement_strategy=cfg.train.placement_strategy,
+        ),
+        run_config=RayRunConfig(
+            name=f"{cfg.run_name}-stage{stage.stage}",
+            storage_path=str((cfg.run_dir / "ray_train").resolve()),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
+            ),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+        ),
+    )
+
+
+def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
     out = stage_dir(cfg, stage.stage)
     out.mkdir(parents=True, exist_ok=True)
     mlflow = setup_mlflow(cfg)
@@ -295,42 +127,25 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
             run_id_file.write_text(run.info.run_id)
     run_id = run_id_file.read_text().strip()
-    trainer = TorchTrainer(
-        train_worker,
-        train_loop_config={
-            "run": cfg.resolved(),
-            "stage": stage.model_dump(),
-            "plan": plan.model_dump(mode="json"),
-            "init_dir": init_dir,
-            "d2t": d2t,
-            "files": part_files(cfg.store_path),
-            "eval_ids": sorted(context["eval_ids"]),
-            "mlflow_run_id": run_id,
-            "stage_dir": str(out.resolve()),
-            "provenance": {
-                **context["provenance"],
-                "stage": stage.stage,
-                "train_run_id": run_id,
-                "init_from": init_dir,
-            },
+    loop_config = {
+        "run": cfg.resolved(),
+        "stage": stage.model_dump(),
+        "plan": plan.model_dump(mode="json"),
+        "init_dir": init_dir,
+        "d2t": d2t,
+        "files": part_files(cfg.store_path),
+        "eval_ids": sorted(context["eval_ids"]),
+        "mlflow_run_id": run_id,
+        "stage_dir": str(out.resolve()),
+        "provenance": {
+            **context["provenance"],
+            "stage": stage.stage,
+            "train_run_id": run_id,
+            "init_from": init_dir,
         },
-        scaling_config=ScalingConfig(
-            num_workers=cfg.train.num_workers,
-            use_gpu=cfg.train.use_gpu,
-            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **cfg.train.resources},
-            placement_strategy=cfg.train.placement_strategy,
-        ),
-        run_config=RayRunConfig(
-            name=f"{cfg.run_name}-stage{stage.stage}",
-            storage_path=str((cfg.run_dir / "ray_train").resolve()),
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
-            ),
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
-        ),
-    )
-    with _console_progress(out, stage, [s.stage for s in cfg.train.schedule]) as progress:
-        result = trainer.fit()
+    }
+    with _console_progress(stage, [s.stage for s in cfg.train.schedule]) as (progress, channel):
+        result = _trainer(cfg, stage, {**loop_config, "progress": channel}).fit()
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
     progress.update(stage.steps)
     progress.close(f"best held-out {SCORE.split('/')[-1]} {best_metrics[SCORE]:.3f}")

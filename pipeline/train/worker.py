@@ -1,0 +1,228 @@
+"""The Ray Train worker loop (docs/method.md §3): ``train_worker(config)`` rebuilds the typed config,
+resumes via ``ray.train.get_checkpoint()``, steps with ``griffin.training.train_step``, evaluates the
+held-out score, and reports through ``ray.train.report`` (checkpoints on every rank). Rank 0 also logs
+to MLflow and pushes each step to the driver's ``StageProgress`` actor, which feeds the console line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from griffin.checkpoint import load_draft, save_draft, tensors_sha256
+from griffin.config import StagePlan
+from griffin.model import GriffinDraft
+from griffin.target import fast_bf16, release_freed_memory
+from griffin.training import (
+    acceptance_counts,
+    acceptance_metrics,
+    make_optimizer,
+    make_scheduler,
+    teacher_ids,
+    train_step,
+)
+from pipeline.config import RunConfig, StageSection, config_from_dict
+from pipeline.resources.targets import load_target
+from pipeline.train.batches import rank_rows, shifted_batches, split_rows
+
+SCORE = "eval/sim_accept_len"
+
+
+class StageProgress:
+    """Where a running stage is: rank 0 pushes each step (fire and forget), the driver reads the latest
+    for its console line. Run as a Ray actor with no CPU of its own (``ray.remote(num_cpus=0)``)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def update(self, step: int, loss: float, score: float | None) -> None:
+        self.state = {"step": step, "loss": loss, "score": score if score is not None else self.state.get("score")}
+
+    def latest(self) -> dict[str, Any]:
+        return self.state
+
+
+def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | None) -> GriffinDraft:
+    if init_dir:
+        return load_draft(init_dir, target, dtype=torch.float32)  # fp32 master weights
+    torch.manual_seed(cfg.train.seed)  # identical init on every rank
+    d2t_tensor = torch.tensor(d2t) if d2t else None
+    draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, d2t=d2t_tensor, **cfg.draft.overrides)
+    if cfg.draft.init_layer is not None:
+        draft.start_from_target_layer(target.backbone.layers[cfg.draft.init_layer])
+    return draft.cast_parameters(torch.float32)  # fp32 master weights; frozen target tensors stay
+
+
+def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, device) -> tuple[GriffinDraft, Tensor]:
+    """A worker's draft on ``device`` and the target's full LM head there (V_target, D), the teacher of
+    the held-out score. The target only lends the draft its frozen embedding and head (and
+    ``draft.init_layer`` a layer), so it is loaded on the CPU (in the dtype resolved for
+    ``target.device``) and dropped: a worker keeps those tensors, not the whole target
+    (benchmarks/training/train_memory.md), and its GPU never holds the target."""
+    target = load_target(cfg.target, device="cpu")
+    draft = _init_draft(cfg, target, init_dir, d2t)
+    tied = draft.embed_weight.data_ptr() == draft.head_weight.data_ptr()  # a tied target's one tensor
+    draft = draft.to(device)
+    if tied:  # .to copies each buffer: keep one copy on the device, as on the host
+        draft.head_weight = draft.embed_weight
+    # without a reduced vocabulary the draft's frozen head is the target's whole head already
+    target_head = draft.head_weight if draft.d2t is None else target.head_weight.to(device)
+    del target
+    gc.collect()  # reference cycles, if any, must not hold the target's layers until a later collection
+    release_freed_memory()
+    return draft, target_head
+
+
+def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
+    if rank == 0:
+        save_draft(draft, directory / "draft", provenance)
+    weights = tensors_sha256(dict(draft.named_parameters()))  # ranks must agree (DDP)
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "rows_consumed": rows,
+            "rng": torch.get_rng_state(),
+            "weights_sha256": weights,
+        },
+        directory / f"train_state_rank{rank}.pt",
+    )
+
+
+def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
+    if checkpoint is None:
+        return 0, 0
+    from safetensors.torch import load_file
+
+    with checkpoint.as_directory() as directory:
+        draft.load_state_dict(load_file(Path(directory) / "draft" / "model.safetensors"), strict=True)
+        state = torch.load(Path(directory) / f"train_state_rank{rank}.pt", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return state["step"], state["rows_consumed"]
+
+
+def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: bool) -> list[tuple]:
+    """The held-out batches with the target's greedy ids on them, built once per worker: the teacher
+    is a (T, V_target) head matmul per batch that never changes between evaluations. Chains start
+    where a decode's do (the "draft" window), whatever window training uses, so that drafts trained
+    either way are scored alike."""
+    batches = [
+        batch
+        for batch, _ in shifted_batches(
+            iter(eval_rows),
+            cfg.train.batch_tokens,
+            draft.cfg.hidden_size,
+            target_head.device,
+            "draft",
+            bool(draft.cfg.feature_layers),
+        )
+    ]
+    return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
+
+
+def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bool) -> dict[str, float]:
+    """eval/acc_k and eval/sim_accept_len on the held-out rows, in the training precision."""
+    counts = torch.zeros(2, cfg.train.eval_steps, dtype=torch.float64)
+    for batch, teacher in eval_set:
+        counts += acceptance_counts(draft, batch, cfg.train.eval_steps, bf16=bf16, teacher=teacher)
+    if world > 1:
+        torch.distributed.all_reduce(counts)
+    return acceptance_metrics(counts)
+
+
+def _audit(stage_dir: Path, rank: int, step: int, ids: tuple) -> None:
+    """The data audit trail: which samples each rank trained on at each step, and on which node."""
+    import ray
+
+    record = {"step": step, "node": ray.get_runtime_context().get_node_id(), "sample_ids": [s for b in ids for s in b]}
+    with open(stage_dir / f"data_rank{rank}.jsonl", "a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+def _report_rank0(
+    config: dict[str, Any],
+    client: Any,
+    stage: StageSection,
+    step: int,
+    report: dict[str, float],
+    rate: float,
+    eta: float,
+) -> None:
+    """Rank 0's step report: a log line, the driver's console line (``StageProgress``) and MLflow."""
+    from mlflow.entities import Metric
+
+    score = f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""
+    loss = report["train/loss"]
+    print(
+        f"[train stage {stage.stage}] step {step}/{stage.steps} loss {loss:.4f} tok/s {rate:.0f} eta {eta:.0f}s"
+        + score,
+        flush=True,
+    )
+    config["progress"].update.remote(step, loss, report.get(SCORE))
+    now = int(time.time() * 1000)
+    client.log_batch(config["mlflow_run_id"], metrics=[Metric(k, float(v), now, step) for k, v in report.items()])
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    import ray
+    import ray.train
+    import ray.train.torch
+    from mlflow.tracking import MlflowClient
+
+    cfg, stage = config_from_dict(config["run"]), StageSection(**config["stage"])
+    method, plan = cfg.train.method, StagePlan(**config["plan"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    draft, target_head = _worker_draft(cfg, config["init_dir"], config["d2t"], device)
+    model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
+    optimizer = make_optimizer(draft, method, plan)
+    scheduler = make_scheduler(optimizer, method, plan)
+    step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
+    files, eval_ids = config["files"], set(config["eval_ids"])
+    layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
+    rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed, layers)
+    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window, layers)
+    eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True, layers=layers)) if i % world == rank]
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
+    eval_set = _eval_set(draft, eval_rows, cfg, target_head, bf16)
+    client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
+    fail_marker = Path(config["stage_dir"]) / "_injected_failure"
+    started, tokens_done, first_step = time.time(), 0.0, step
+
+    while step < stage.steps:
+        micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
+        generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
+        metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head)
+        step += 1
+        rows_consumed += sum(len(x) for x in ids)
+        tokens_done += metrics["tokens"] * world
+        _audit(Path(config["stage_dir"]), rank, step, ids)
+        if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
+            fail_marker.touch()
+            raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
+        report = {f"train/{k}": v for k, v in metrics.items()}
+        do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
+        if do_ckpt or step % cfg.train.eval_every == 0:
+            report.update(_evaluate(draft, eval_set, cfg, world, bf16))
+        if rank == 0:
+            rate = tokens_done / max(time.time() - started, 1e-9)
+            eta = (time.time() - started) / (step - first_step) * (stage.steps - step)
+            _report_rank0(config, client, stage, step, report, rate, eta)
+        if do_ckpt:
+            with tempfile.TemporaryDirectory() as tmp:
+                provenance = {**config["provenance"], "step": step, "metrics": report}
+                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, rows_consumed, rank, provenance)
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        elif SCORE in report:
+            ray.train.report(report)
