@@ -53,14 +53,14 @@ def tiny_deployment(tmp: Path, *overrides: str):
 
     from griffin.model import GriffinDraft
     from pipeline.config import load_config
-    from pipeline.resources.drafts import save_draft
+    from pipeline.resources.drafts import save_draft_with_lineage
     from pipeline.resources.targets import load_target
     from pipeline.serve.app import start_serve, stop_serve
 
     tiny = REPO / "jobs" / "configs" / "tiny.yaml"
     target = load_target(load_config(tiny, [f"output_dir={tmp}"]).target)
     torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp / "draft", target)
+    draft_dir = save_draft_with_lineage(GriffinDraft.for_target(target), tmp / "draft", target)
     cfg = load_config(
         tiny,
         [

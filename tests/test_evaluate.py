@@ -10,7 +10,7 @@ from griffin.model import GriffinDraft
 from pipeline.config import load_config
 from pipeline.evaluate.evaluate import run_eval
 from pipeline.evaluate.report import _acceptance
-from pipeline.resources.drafts import save_draft
+from pipeline.resources.drafts import save_draft_with_lineage
 from pipeline.resources.targets import load_target
 
 TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
@@ -36,8 +36,8 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])
     target = load_target(cfg.target)
     torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
-    eagle_dir = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
+    draft_dir = save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target)
+    eagle_dir = save_draft_with_lineage(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
     assistant_dir = tmp_path / "assistant"  # the same tiny model saved, standing in for a smaller one
     target.model.save_pretrained(assistant_dir)
     target.tokenizer.save_pretrained(assistant_dir)
@@ -79,7 +79,7 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     # the measured draft ships with a card that states what it delivers, and loads back bf16
     from safetensors.torch import load_file
 
-    from pipeline.resources.drafts import load_draft
+    from pipeline.resources.drafts import load_draft_uri
     from pipeline.registry.ship import run_ship
 
     shipped = run_ship(cfg, source=str(draft_dir), report=str(eval_dir / "report.json"), out=str(tmp_path / "ship"))
@@ -89,7 +89,7 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     assert shipped["bytes"] < 30e6 and "griffin serve" in (tmp_path / "ship" / "README.md").read_text()
     weights = load_file(tmp_path / "ship" / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values() if t.is_floating_point())
-    load_draft(tmp_path / "ship", target, cfg)
+    load_draft_uri(tmp_path / "ship", target, cfg)
 
 
 def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, monkeypatch):
@@ -113,7 +113,7 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
     )
     target = load_target(cfg.target)
     torch.manual_seed(0)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
+    draft_dir = save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target)
     real, calls = evaluate.speculative_generate, []
 
     def killed_in_question_2(*args, **kwargs):
@@ -169,7 +169,7 @@ def test_griffin_run_reuses_a_finished_eval_only_with_the_same_settings(tmp_path
     cfg = load_config(TINY, same)
     target = load_target(cfg.target)
     torch.manual_seed(0)
-    draft_dir = str(save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target))
+    draft_dir = str(save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target))
     real, calls = evaluate.speculative_generate, []
     monkeypatch.setattr(evaluate, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
 

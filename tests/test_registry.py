@@ -72,7 +72,7 @@ def test_register_alias_load(store, target, tmp_path):
     resolved = drafts.resolve_draft("models:/load-test@candidate", cfg)
     assert sorted(p.name for p in resolved.iterdir()) == ["config.json", "model.safetensors"]
     for uri in ("models:/load-test@candidate", "models:/load-test/1", f"runs:/{info['run_id']}/draft"):
-        loaded = drafts.load_draft(uri, target, cfg)
+        loaded = drafts.load_draft_uri(uri, target, cfg)
         assert torch.equal(logits(loaded), logits(draft)), uri
     import mlflow
 
@@ -157,19 +157,19 @@ def test_wrong_target_refused(store, target, tmp_path):
     registry.register(cfg, tmp_path / "d")
     other = build_tiny_target(dict(cfg.target.tiny), torch.float32, seed=1)
     with pytest.raises(ValueError, match="target weights sha256"):
-        drafts.load_draft("models:/lineage-refuse@candidate", other, cfg)
+        drafts.load_draft_uri("models:/lineage-refuse@candidate", other, cfg)
     with pytest.raises(ValueError, match="target weights sha256"):
-        drafts.load_draft(tmp_path / "d", other, cfg)
+        drafts.load_draft_uri(tmp_path / "d", other, cfg)
     with pytest.raises(ValueError, match="vocab size"):
-        drafts.load_draft(tmp_path / "d", make_target("llama"), cfg)
+        drafts.load_draft_uri(tmp_path / "d", make_target("llama"), cfg)
     with pytest.raises(ValueError, match="cannot resolve"):
-        drafts.load_draft("models:/lineage-refuse@champion", target, cfg)
+        drafts.load_draft_uri("models:/lineage-refuse@champion", target, cfg)
     target.tokenizer.chat_template += "{# another template #}"
     target._fingerprint = None  # the fingerprint is computed once per target object
     try:
         for uri in ("models:/lineage-refuse@candidate", tmp_path / "d"):
             with pytest.raises(ValueError, match="chat template sha256") as refused:
-                drafts.load_draft(uri, target, cfg)
+                drafts.load_draft_uri(uri, target, cfg)
             assert "tokenizer" not in str(refused.value) and "target weights" not in str(refused.value)
     finally:
         target.tokenizer.chat_template = target.tokenizer.chat_template.removesuffix("{# another template #}")
@@ -256,6 +256,6 @@ def test_remote_server(mlflow_server, target, tmp_path):
     info = registry.register(cfg, tmp_path / "d")
     assert info["created"] and info["aliases"] == ["candidate"]
     assert registry.promote(cfg, info["version"], 1.5)["promoted"]
-    loaded = drafts.load_draft(f"models:/{cfg.model_name}@champion", target, cfg)
+    loaded = drafts.load_draft_uri(f"models:/{cfg.model_name}@champion", target, cfg)
     assert torch.equal(logits(loaded), logits(draft))
     assert registry.register(cfg, tmp_path / "d")["created"] is False

@@ -57,19 +57,19 @@ def test_directory_draft_round_trip_and_refusals(cfg, target, tmp_path):
     target's weights, tokenizer or template, is refused with the mismatch named."""
     torch.manual_seed(0)
     draft = GriffinDraft.for_target(target)
-    drafts.save_draft(draft, tmp_path / "ok", target)
-    loaded = drafts.load_draft(tmp_path / "ok", target, cfg)
+    drafts.save_draft_with_lineage(draft, tmp_path / "ok", target)
+    loaded = drafts.load_draft_uri(tmp_path / "ok", target, cfg)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values()))
     save_without_lineage(draft, tmp_path / "bare")
     with pytest.raises(ValueError, match="records no target fingerprint"):
-        drafts.load_draft(tmp_path / "bare", target, cfg)
+        drafts.load_draft_uri(tmp_path / "bare", target, cfg)
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     config["provenance"]["target"]["tokenizer_sha256"] = "0" * 64
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"does not fit target 'tiny-llama': tokenizer sha256"):
-        drafts.load_draft(tmp_path / "ok", target, cfg)
+        drafts.load_draft_uri(tmp_path / "ok", target, cfg)
     with pytest.raises(FileNotFoundError, match="neither a directory"):
-        drafts.load_draft("no-such-draft", target, cfg)
+        drafts.load_draft_uri("no-such-draft", target, cfg)
 
 
 def test_draft_paths_resolve_from_the_project_root(cfg, target, tmp_path, monkeypatch):

@@ -156,7 +156,7 @@ def test_bad_configs_fail_clearly(store, tmp_path):
 
 def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
     from griffin.model import GriffinDraft
-    from pipeline.resources.drafts import save_draft
+    from pipeline.resources.drafts import save_draft_with_lineage
     from pipeline.resources.targets import load_target
     from pipeline.train.driver import _checked_init
 
@@ -166,7 +166,7 @@ def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
         _checked_init(
             cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(tmp_path)})}), target
         )
-    eagle = save_draft(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
+    eagle = save_draft_with_lineage(GriffinDraft.for_target(target, variant="eagle"), tmp_path / "eagle", target)
     bad = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"train.init_from={eagle}"])
     with pytest.raises(ValueError, match="'eagle' draft but draft.variant='griffin'"):
         _checked_init(bad, target)

@@ -9,7 +9,7 @@ from griffin.config import TreeConfig
 from griffin.model import GriffinDraft
 from pipeline.cli import main
 from pipeline.config import load_config
-from pipeline.resources.drafts import save_draft
+from pipeline.resources.drafts import save_draft_with_lineage
 from pipeline.resources.targets import load_target
 from pipeline.evaluate.tune import Candidate, coordinate_search, reusable_tuning, run_tune_tree, verify_cost_curve
 
@@ -43,7 +43,7 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])
     torch.manual_seed(0)
     target = load_target(cfg.target)
-    draft_dir = save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target)
+    draft_dir = save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target)
     code = main(
         [
             "tune-tree",
@@ -83,7 +83,7 @@ def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
     cfg = load_config(TINY, same)
     torch.manual_seed(0)
     target = load_target(cfg.target)
-    draft_dir = str(save_draft(GriffinDraft.for_target(target), tmp_path / "draft", target))
+    draft_dir = str(save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target))
     relative = f"{draft_dir}/../draft"  # the same directory, spelled differently
     assert reusable_tuning(cfg, draft_dir) is None  # nothing tuned yet
     run_tune_tree(cfg, draft=draft_dir)

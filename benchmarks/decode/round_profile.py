@@ -31,7 +31,7 @@ from griffin.decode import speculative_generate  # noqa: E402
 from griffin.target import TargetAdapter  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.chat import render_chat  # noqa: E402
-from pipeline.resources.drafts import load_draft  # noqa: E402
+from pipeline.resources.drafts import load_draft_uri  # noqa: E402
 from pipeline.resources.questions import load_questions  # noqa: E402
 
 OUT = Path(__file__).parent
@@ -60,7 +60,7 @@ def main() -> None:
     target = TargetAdapter.from_pretrained("smollm2-135m-instruct", dtype=args.dtype)
     stem = "round_profile" if target.dtype == torch.bfloat16 else "round_profile-fp32"
     packed = target.prepack()
-    draft = load_draft(args.draft, target, load_config("jobs/configs/smollm2-quick.yaml"))  # packed like the target
+    draft = load_draft_uri(args.draft, target, load_config("jobs/configs/smollm2-quick.yaml"))  # packed like the target
     questions = [q["turns"][0] for q in load_questions("mt_bench")[-args.prompts :]]
     prompts = [torch.tensor([render_chat(target.tokenizer, [{"role": "user", "content": q}])]) for q in questions]
     speculative_generate(target, draft, prompts[0], tree, SamplingConfig(), 8)  # warm-up

@@ -26,7 +26,7 @@ from griffin.config import TreeConfig
 from pipeline.config import load_config
 from pipeline.evaluate.evaluate import _warm_up, evaluate_dataset, hf_decoder, local_decoder
 from pipeline.evaluate.report import hardware, summarize
-from pipeline.resources.drafts import load_draft
+from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.questions import load_questions
 from pipeline.resources.targets import load_target
 
@@ -87,7 +87,7 @@ def run_phase(
         ],
     )
     target = load_target(cfg.target, decoding=True)
-    draft = load_draft(DRAFT, target, cfg)
+    draft = load_draft_uri(DRAFT, target, cfg)
     methods = methods_for(target, draft, trees, with_hf)
     _warm_up(methods, target, cfg)  # the evaluation's own: kernels, caches, allocator
     records, done = [], {name: 0 for name in questions}

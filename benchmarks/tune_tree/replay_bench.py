@@ -27,7 +27,7 @@ from griffin.decode import acceptance_length as tau, speculative_generate  # noq
 from griffin.replay import GREEDY, greedy_reference, replay_greedy  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.evaluate.report import hardware  # noqa: E402
-from pipeline.resources.drafts import load_draft  # noqa: E402
+from pipeline.resources.drafts import load_draft_uri  # noqa: E402
 from pipeline.resources.targets import load_target  # noqa: E402
 from pipeline.evaluate.tune import DEPTHS, calibration_prompts  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config("jobs/configs/smollm2-quick.yaml", ["eval.datasets=[mt_bench, humaneval]"])
     target = load_target(cfg.target, decoding=True)
-    draft = load_draft(DRAFT, target, cfg)
+    draft = load_draft_uri(DRAFT, target, cfg)
     prompts = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, args.prompts)]
     speculative_generate(target, draft, prompts[0], TreeConfig(total_tokens=6, depth=2, top_k=2), GREEDY, 8)  # warm-up
     start = time.perf_counter()

@@ -7,7 +7,7 @@
 import torch
 
 from pipeline.config import load_config
-from pipeline.resources.drafts import load_draft
+from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.questions import load_questions
 from pipeline.resources.targets import load_target
 from griffin.decode import speculative_generate, vanilla_generate
@@ -17,7 +17,7 @@ from griffin.config import SamplingConfig, TreeConfig
 def main() -> None:
     cfg = load_config("jobs/configs/smollm2-variants.yaml", ["target.dtype=float32"])
     target = load_target(cfg.target)
-    draft = load_draft("outputs/smollm2-variants-griffin3/train/best", target, cfg, dtype=torch.float32)
+    draft = load_draft_uri("outputs/smollm2-variants-griffin3/train/best", target, cfg, dtype=torch.float32)
     q = load_questions("humaneval", 1)[0]
     msgs = [{"role": "user", "content": q["turns"][0]}]
     ids = target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")

@@ -30,7 +30,7 @@ from griffin.checkpoint import tensors_sha256
 from pipeline.files import atomic_write_json, atomic_write_text
 from pipeline.config import RunConfig, TargetSection
 from pipeline.console import Progress, say
-from pipeline.resources.drafts import draft_for_run, load_draft
+from pipeline.resources.drafts import draft_for_run, load_draft_uri
 from pipeline.resources.questions import load_questions
 from pipeline.resources.targets import load_target, target_fingerprint
 from pipeline.data.chat import render_chat
@@ -155,7 +155,7 @@ def load_drafts(cfg: RunConfig, target: Any, draft: Any) -> dict[str, Any]:
     for label, uri in cfg.eval.extra_drafts.items():
         if label in ("griffin", "vanilla") or label.startswith("hf_"):
             raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
-        drafts[label] = load_draft(uri, target, cfg)
+        drafts[label] = load_draft_uri(uri, target, cfg)
     return drafts
 
 

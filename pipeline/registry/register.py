@@ -60,7 +60,7 @@ class DraftPyfunc(mlflow.pyfunc.PythonModel):
     """The registered model: the draft directory as artifact ``draft``. A draft cannot propose
     tokens alone (its target's frozen embedding and LM head are deliberately not stored with it), so
     ``predict`` does not decode: it returns the draft's ``"config"``, ``"provenance"`` or
-    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``pipeline.resources.drafts.load_draft``."""
+    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``pipeline.resources.drafts.load_draft_uri``."""
 
     def load_context(self, context) -> None:
         self.draft_dir = Path(context.artifacts[ARTIFACT_KEY])

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config
 from pipeline.config import RunConfig
-from pipeline.resources.drafts import REPO, check_lineage, load_draft, resolve_draft
+from pipeline.resources.drafts import REPO, check_lineage, load_draft_uri, resolve_draft
 from pipeline.resources.targets import load_target
 
 CARD_NAME = "card.json"
@@ -156,5 +156,5 @@ def run_ship(
         raise ValueError(
             f"{out_dir} is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB a shipped draft may take"
         )
-    load_draft(out_dir, target, cfg)  # it loads back, lineage checked
+    load_draft_uri(out_dir, target, cfg)  # it loads back, lineage checked
     return {"out": str(out_dir), "bytes": size, "card": card}

@@ -1,4 +1,4 @@
-"""The one draft resolver: ``resolve_draft(uri, cfg) -> Path`` and ``load_draft(uri, target, cfg)`` for a
+"""The one draft resolver: ``resolve_draft(uri, cfg) -> Path`` and ``load_draft_uri(uri, target, cfg)`` for a
 draft directory, a shipped ``drafts/...`` path, ``models:/<name>@<alias>``, ``models:/<name>/<version>``
 or ``runs:/<run_id>/<path>``. Every form goes through ``check_lineage``: the draft must have been
 trained for this target's weights, tokenizer and chat template (``target_fingerprint``).
@@ -103,7 +103,7 @@ def check_lineage(draft_dir: str | Path, target: TargetAdapter, source: str | No
     if not isinstance(recorded, dict) or any(key not in recorded for key in LINEAGE_KEYS):
         raise ValueError(
             f"draft {where} records no target fingerprint (provenance.target in its config.json), so "
-            "its pairing with a target cannot be checked; save it with pipeline.resources.drafts.save_draft "
+            "its pairing with a target cannot be checked; save it with pipeline.resources.drafts.save_draft_with_lineage "
             "or train it with `griffin train`"
         )
     problems = lineage_problems(recorded, target)
@@ -114,7 +114,7 @@ def check_lineage(draft_dir: str | Path, target: TargetAdapter, source: str | No
         )
 
 
-def load_draft(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype: torch.dtype | None = None) -> Any:
+def load_draft_uri(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype: torch.dtype | None = None) -> Any:
     """Resolve, check the lineage, load bound to ``target``. Decoding processes (a pre-packed target)
     get the draft in the target's dtype, pre-packed too; ``dtype`` overrides (training: fp32)."""
     draft_dir = resolve_draft(uri, cfg)
@@ -125,9 +125,11 @@ def load_draft(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype: to
     return draft
 
 
-def save_draft(draft: Any, path: str | Path, target: TargetAdapter, provenance: dict[str, Any] | None = None) -> Path:
+def save_draft_with_lineage(
+    draft: Any, path: str | Path, target: TargetAdapter, provenance: dict[str, Any] | None = None
+) -> Path:
     """``griffin.checkpoint.save_draft`` with the target's fingerprint recorded, so it loads through
-    ``load_draft`` (tests, tools and exports that make drafts outside ``griffin train``)."""
+    ``load_draft_uri`` (tests, tools and exports that make drafts outside ``griffin train``)."""
     from griffin.checkpoint import save_draft as write_draft
 
     return write_draft(draft, path, {**(provenance or {}), "target": target_fingerprint(target)})
@@ -143,7 +145,7 @@ def draft_for_run(cfg: RunConfig, target: TargetAdapter, draft: Any = None) -> t
     if draft is not None and not isinstance(draft, (str, Path)):
         return draft, None
     uri = canonical_draft_uri(draft if draft is not None else candidate_uri(cfg))
-    return load_draft(uri, target, cfg), uri
+    return load_draft_uri(uri, target, cfg), uri
 
 
 def canonical_draft_uri(draft: str | Path) -> str:

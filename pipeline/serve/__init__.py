@@ -1,3 +1,12 @@
 """Ray Serve: the deployment and app builder (``app``), the OpenAI wire protocol (``protocol``) and
 server-sent events (``sse``). May import: ``pipeline.resources``, ``pipeline.data.chat`` and the pipeline
 root. Entry points: ``app.app_builder``, ``app.run_serve``."""
+
+
+def __getattr__(name: str):
+    """``pipeline.serve:app_builder`` also works as a Serve import path (resolved lazily: no Ray at import)."""
+    if name == "app_builder":
+        from pipeline.serve.app import app_builder
+
+        return app_builder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -94,13 +94,13 @@ class SpeculativeDecoder:
     /health, /v1/models, /stats and those rejections never queue behind completions."""
 
     def __init__(self, run_config: dict[str, Any]):
-        from pipeline.resources.drafts import load_draft
+        from pipeline.resources.drafts import load_draft_uri
         from pipeline.resources.targets import load_target
 
         cfg = config_from_dict(run_config)
         self.target = load_target(cfg.target, decoding=True)
         self.draft_uri = cfg.serve.draft_uri
-        self.draft = load_draft(self.draft_uri, self.target, cfg) if self.draft_uri else None
+        self.draft = load_draft_uri(self.draft_uri, self.target, cfg) if self.draft_uri else None
         self.model_id, self.tree = served_model_name(cfg), cfg.decode.tree
         self.default_max_tokens = cfg.serve.default_max_tokens
         self.limits = cfg.serve
