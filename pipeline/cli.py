@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "featurize": ("pipeline.data.featurize:run_featurize", "run the target over conversations into the feature store"),
     "train": ("pipeline.train.driver:run_train", "token-alignable training on Ray Train"),
     "register": ("pipeline.registry.register:run_register", "register a trained draft in the MLflow registry"),
-    "export": ("pipeline.registry.register:run_export", "export a draft to another layout"),
+    "export": ("pipeline.registry.export:run_export", "export a draft to another layout"),
     "ship": ("pipeline.registry.ship:run_ship", "write a measured draft with its model card into drafts/"),
     "serve": ("pipeline.serve.app:run_serve", "serve target + draft with Ray Serve"),
     "eval": ("pipeline.evaluate.evaluate:run_eval", "measure acceptance length and speedup against baselines"),

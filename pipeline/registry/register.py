@@ -31,7 +31,6 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config, weights_sha256
-from griffin.export import export_draft
 from pipeline.config import RunConfig
 from pipeline.runtime import setup_mlflow
 from pipeline.resources.drafts import ARTIFACT_KEY, check_lineage, resolve_draft
@@ -256,19 +255,6 @@ def run_register(cfg: RunConfig, checkpoint: str | None = None, promote: bool = 
 
 
 promote_version = promote  # run_register's ``promote`` flag shadows the function's name
-
-
-def run_export(
-    cfg: RunConfig, to: str, source: str | None = None, out: str | None = None, verifier: str | None = None
-) -> dict[str, Any]:
-    """``griffin export --to griffin-upstream|hf|speculators|specforge``: write, reload and check the export."""
-    draft_dir = resolve_draft(source, cfg) if source else default_checkpoint(cfg)
-    target = load_target(cfg.target)
-    check_lineage(draft_dir, target, source)
-    out_dir = export_draft(
-        draft_dir, Path(out) if out else cfg.run_dir / "export" / to, layout=to, target=target, verifier=verifier
-    )
-    return {"layout": to, "out": str(out_dir), "files": sorted(p.name for p in out_dir.iterdir())}
 
 
 def run_mlflow_ui(cfg: RunConfig, launch: bool = True, port: int = 5000) -> dict[str, Any]:
