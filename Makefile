@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= jobs/configs/smollm2-quick.yaml
 
-.PHONY: setup test run clean
+.PHONY: setup test test-fast run clean
 
 # pip's own chatter (index warnings, build-backend notes) goes to a log; it is shown when set-up fails
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -28,6 +28,10 @@ test: setup $(VENV)/speculators/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider tests
+
+# the method tests (griffin/, tiny random models, no Ray) and the import rules: about two minutes on 2 cores
+test-fast: setup $(VENV)/speculators/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/griffin tests/test_architecture.py
 
 run: setup
 	@$(VENV)/bin/griffin run -c $(CONFIG)

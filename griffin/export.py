@@ -96,7 +96,7 @@ def eagle3_names(layer_prefix: str) -> dict[str, str]:
     }
 
 
-# The speculators release whose loader the tests run against our export (tests/test_export_eagle3.py).
+# The speculators release whose loader the tests run against our export (tests/griffin/test_export_eagle3.py).
 SPECULATORS_VERSION = "0.9.0"
 
 UPSTREAM_EMBED, HF_EMBED = "embed_tokens.weight", "model.embed_tokens.weight"

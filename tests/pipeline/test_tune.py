@@ -13,7 +13,7 @@ from pipeline.resources.drafts import save_draft_with_lineage
 from pipeline.resources.targets import load_target
 from pipeline.evaluate.tune import Candidate, coordinate_search, reusable_tuning, run_tune_tree, verify_cost_curve
 
-TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
 
 
 def test_coordinate_search_finds_the_peak_of_a_known_surface():

@@ -6,7 +6,7 @@ import torch
 from griffin.model import GriffinDraft
 from griffin.target import PackedLinear, prepack_supported
 from tests.conftest import make_target
-from tests.test_verify import hand_tree
+from tests.griffin.test_verify import hand_tree
 
 PROMPT = torch.tensor([[3, 17, 42, 9, 77]])
 

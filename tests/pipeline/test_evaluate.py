@@ -13,7 +13,7 @@ from pipeline.evaluate.report import _acceptance
 from pipeline.resources.drafts import save_draft_with_lineage
 from pipeline.resources.targets import load_target
 
-TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now make it rhyme."]},
     {"question_id": 2, "category": "code", "turns": ["def add(a, b):"]},

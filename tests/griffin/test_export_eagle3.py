@@ -142,7 +142,7 @@ def test_speculators_loads_our_exports(target, tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            "tests/speculators_check.py",
+            "tests/griffin/speculators_check.py",
             str(tmp_path / "speculators"),
             str(tmp_path / "specforge"),
             str(verifier),

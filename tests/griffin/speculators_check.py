@@ -1,7 +1,7 @@
-"""Run by tests/test_export_eagle3.py in a subprocess with .venv/speculators on PYTHONPATH: load our
+"""Run by tests/griffin/test_export_eagle3.py in a subprocess with .venv/speculators on PYTHONPATH: load our
 EAGLE-3 exports with vLLM speculators' own classes and report what they hold and compute.
 
-    python tests/speculators_check.py SPECULATORS_DIR SPECFORGE_DIR VERIFIER_DIR REFERENCE.pt SCRATCH
+    python tests/griffin/speculators_check.py SPECULATORS_DIR SPECFORGE_DIR VERIFIER_DIR REFERENCE.pt SCRATCH
 
 - SPECULATORS_DIR is loaded with ``Eagle3DraftModel.from_pretrained``; its first draft step's logits
   on REFERENCE's inputs are compared with ours.

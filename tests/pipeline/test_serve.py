@@ -17,7 +17,7 @@ from pipeline.serve.protocol import completion_text
 from pipeline.serve.sse import TextStream, sse_stream
 from pipeline.resources.targets import tiny_tokenizer
 
-TINY = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
 CHAT = "/v1/chat/completions"
 
 

@@ -1,0 +1,1 @@
+"""Method tests: griffin/ on tiny random models, single process, seconds (`make test-fast`)."""
