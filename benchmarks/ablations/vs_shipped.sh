@@ -5,7 +5,7 @@
 #   the best checkpoint of the schedule's last stage;
 # - held out: both drafts scored on the held-out rows of $HELDOUT_STORE (default: the config's store).
 #   Neither draft may have trained on them. Rows from the candidate's own new conversations flatter it
-#   (RESULTS.md, the top-k section): for such a candidate, pass a store that neither draft's data is near;
+#   (history.md, the top-k section): for such a candidate, pass a store that neither draft's data is near;
 # - decoded: both drafts interleaved per question in one evaluation (run outputs/<out-name>), with the
 #   shipped draft's tree (its card's), the first $QUESTIONS (default 6) MT-Bench (both turns) and
 #   HumanEval questions, 128 new tokens, T=0 and T=1, vs vanilla and HF generate.
