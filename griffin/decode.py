@@ -192,6 +192,15 @@ def vanilla_generate(
 
 @on_decode_attention
 @torch.inference_mode()
+def _count_round(stats: GenerationStats, draft_s: float, verify_s: float, accept_len: int) -> None:
+    """One round's statistics, inline counters (no metrics framework)."""
+    stats.draft_time += draft_s
+    stats.verify_time += verify_s
+    stats.round_seconds.append((draft_s, verify_s))
+    stats.rounds += 1
+    stats.accepted_per_round.append(accept_len)
+
+
 def speculative_generate(
     target: TargetAdapter,
     draft: GriffinDraft,
@@ -249,23 +258,12 @@ def speculative_generate(
         with record_function("griffin.commit"):
             target.commit(target_cache, prefix_len, accepted)
         end = device_time(device)
-        stats.draft_time += mid - start
-        stats.verify_time += end - mid
-        stats.round_seconds.append((mid - start, end - mid))
-        stats.rounds += 1
-        stats.accepted_per_round.append(result.accept_len)
+        _count_round(stats, mid - start, end - mid, result.accept_len)
 
         committed = tree_nodes.tokens[accepted[1:]].tolist() + [result.next_token]  # (A+1,)
         # token i of ``committed`` came from the target's logits after accepted node i
-        reason = _append(
-            out,
-            committed,
-            stop,
-            max_new_tokens,
-            on_tokens,
-            logprobs,
-            lambda: logprobs.score(logits_n[0, accepted], committed),
-        )  # (A+1, V) rows
+        scores = lambda: logprobs.score(logits_n[0, accepted], committed)  # (A+1, V) rows
+        reason = _append(out, committed, stop, max_new_tokens, on_tokens, logprobs, scores)
         features = features_n[:, accepted]  # (1, A+1, D_f): target features of root + accepted nodes
         new_tokens = torch.tensor(committed, device=device)
     return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)

@@ -137,12 +137,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         "eval_ids": sorted(context["eval_ids"]),
         "mlflow_run_id": run_id,
         "stage_dir": str(out.resolve()),
-        "provenance": {
-            **context["provenance"],
-            "stage": stage.stage,
-            "train_run_id": run_id,
-            "init_from": init_dir,
-        },
+        "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id, "init_from": init_dir},
     }
     with _console_progress(stage, [s.stage for s in cfg.train.schedule]) as (progress, channel):
         result = _trainer(cfg, stage, {**loop_config, "progress": channel}).fit()
