@@ -190,8 +190,6 @@ def vanilla_generate(
     return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)
 
 
-@on_decode_attention
-@torch.inference_mode()
 def _count_round(stats: GenerationStats, draft_s: float, verify_s: float, accept_len: int) -> None:
     """One round's statistics, inline counters (no metrics framework)."""
     stats.draft_time += draft_s
@@ -201,6 +199,8 @@ def _count_round(stats: GenerationStats, draft_s: float, verify_s: float, accept
     stats.accepted_per_round.append(accept_len)
 
 
+@on_decode_attention
+@torch.inference_mode()
 def speculative_generate(
     target: TargetAdapter,
     draft: GriffinDraft,
