@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "register": ("pipeline.registry.register:run_register", "register a trained draft in the MLflow registry"),
     "export": ("pipeline.registry.export:run_export", "export a draft to another layout"),
     "ship": ("pipeline.registry.ship:run_ship", "write a measured draft with its model card into drafts/"),
-    "serve": ("pipeline.serve.app:run_serve", "serve target + draft with Ray Serve"),
+    "serve": ("pipeline.serve.lifecycle:run_serve", "serve target + draft with Ray Serve"),
     "eval": ("pipeline.evaluate.evaluate:run_eval", "measure acceptance length and speedup against baselines"),
     "tune-tree": ("pipeline.evaluate.tune:run_tune_tree", "pick the tree budget that maximises expected tokens/s here"),
     "bench-serve": ("pipeline.evaluate.loadtest:run_bench_serve", "load-test the Serve endpoint"),

@@ -55,7 +55,7 @@ def tiny_deployment(tmp: Path, *overrides: str):
     from pipeline.config import load_config
     from pipeline.resources.drafts import save_draft_with_lineage
     from pipeline.resources.targets import load_target
-    from pipeline.serve.app import start_serve, stop_serve
+    from pipeline.serve.lifecycle import start_serve, stop_serve
 
     tiny = REPO / "jobs" / "configs" / "tiny.yaml"
     target = load_target(load_config(tiny, [f"output_dir={tmp}"]).target)

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pipeline.config import load_config  # noqa: E402
-from pipeline.serve.app import start_serve, stop_serve  # noqa: E402
+from pipeline.serve.lifecycle import start_serve, stop_serve  # noqa: E402
 
 OUT = Path(__file__).parent
 ROOT = Path(__file__).resolve().parents[2]

@@ -185,7 +185,7 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
     """GRIFFIN and vanilla through the endpoint (started with ``draft_uri`` when none is running)."""
     import httpx
 
-    from pipeline.serve.app import ensure_serving
+    from pipeline.serve.lifecycle import ensure_serving
 
     if draft_uri is None:
         raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
@@ -464,7 +464,7 @@ def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) ->
         ]
     finally:
         if started:
-            from pipeline.serve.app import stop_serve
+            from pipeline.serve.lifecycle import stop_serve
 
             stop_serve()
     report = summarize(records, list(methods), cfg, target, draft_uri)

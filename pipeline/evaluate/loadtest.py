@@ -164,7 +164,7 @@ def run_bench_serve(
     without one); ``requests_per_level`` defaults to 2 x concurrency (at least 4)."""
     import httpx
 
-    from pipeline.serve.app import ensure_serving, stop_serve
+    from pipeline.serve.lifecycle import ensure_serving, stop_serve
 
     if cfg.serve.host not in LOCAL_HOSTS:
         raise ValueError(f"bench-serve only targets 127.0.0.1; serve.host is {cfg.serve.host!r}")

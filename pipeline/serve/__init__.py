@@ -1,6 +1,7 @@
-"""Ray Serve: the deployment and app builder (``app``), the OpenAI wire protocol (``protocol``) and
+"""Ray Serve: the deployment and app builder (``app``), starting and stopping it (``lifecycle``), a request's
+decode (``engine``), metrics (``metrics``), the OpenAI wire protocol (``protocol``) and
 server-sent events (``sse``). May import: ``pipeline.resources``, ``pipeline.data.chat`` and the pipeline
-root. Entry points: ``app.app_builder``, ``app.run_serve``."""
+root. Entry points: ``app.app_builder``, ``lifecycle.run_serve``."""
 
 
 def __getattr__(name: str):

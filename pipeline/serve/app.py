@@ -1,8 +1,8 @@
 """Ray Serve: the target + a GRIFFIN draft behind an OpenAI-style HTTP API.
 
 ``app_builder({"config": "jobs/configs/tiny.yaml"})`` -> Application (also ``serve run
-pipeline.serve.app:app_builder config=...``); ``start_serve(cfg) -> url`` / ``stop_serve()`` for tests
-and jobs; ``run_serve(cfg)`` is ``griffin serve`` (prints the URL, blocks until Ctrl-C).
+pipeline.serve.app:app_builder config=...``); ``pipeline.serve.lifecycle`` starts and stops it
+(``start_serve``, ``stop_serve``, ``run_serve`` = ``griffin serve``).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream: true`` = server-sent events in
 OpenAI's chunk format, ending with ``data: [DONE]``), GET /v1/models, GET /health, GET /stats. Every
@@ -43,10 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from griffin.config import SamplingConfig
-from griffin.decode import GenerationResult, LogprobRecorder, TokenCallback, speculative_generate, vanilla_generate
+from griffin.decode import GenerationResult, LogprobRecorder, TokenCallback
 from pipeline.config import RunConfig, config_from_dict, load_config
-from pipeline.data.chat import encode, render_chat
 from pipeline.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -56,11 +54,13 @@ from pipeline.serve.protocol import (
     completion_text,
     content_tokens,
     parse_request,
+    prompt_and_budget,
     read_body,
     speculative_block,
     stop_sequences,
 )
 from pipeline.serve.engine import (
+    generate,
     ClientGone,
     DecodeTrace,
     Job,
@@ -246,7 +246,9 @@ class SpeculativeDecoder:
         """Everything a decode and its answer need, from the raw body (blocking: a worker thread)."""
         req = parse_request(raw, schema)
         stops = stop_sequences(req.stop)
-        prompt_ids, max_new = self._prepare(req)
+        prompt_ids, max_new = prompt_and_budget(
+            req, self.target.tokenizer, self.model_id, self.target.max_context, self.default_max_tokens
+        )
         chat = isinstance(req, ChatRequest)
         top = req.logprobs_top()
         tokenizer = self.target.tokenizer
@@ -288,7 +290,10 @@ class SpeculativeDecoder:
 
             outcome = "error"
             try:
-                result = self._generate(job.req, job.prompt_ids, job.max_new, traced, job.recorder)
+                draft = self.draft if self._uses_draft(job.req) else None
+                result = generate(
+                    self.target, draft, self.tree, job.req, job.prompt_ids, job.max_new, traced, job.recorder
+                )
                 outcome = "finished"
                 return result
             except StopDecoding:
@@ -356,77 +361,8 @@ class SpeculativeDecoder:
             **extra,
         }
 
-    def _prepare(self, req: SamplingRequest) -> tuple[list[int], int]:
-        """The prompt's token ids and the token budget, checked against the context window."""
-        if req.model is not None and req.model != self.model_id:
-            raise ApiError(
-                f"model {req.model!r} does not exist; this server serves {self.model_id!r} (see GET /v1/models)",
-                "model",
-                status=404,
-                code="model_not_found",
-            )
-        tokenizer, field = self.target.tokenizer, "messages" if isinstance(req, ChatRequest) else "prompt"
-        try:
-            ids = (
-                render_chat(tokenizer, [m.as_dict() for m in req.messages])
-                if isinstance(req, ChatRequest)
-                else encode(tokenizer, req.prompt, add_special_tokens=True)
-            )  # a raw prompt: BOS as usual
-        except Exception as error:  # a template may refuse e.g. a system message: the client's input
-            raise ApiError(f"'{field}' could not be rendered with the chat template: {error}", field) from None
-        context = self.target.max_context
-        if not ids or len(ids) >= context:
-            raise ApiError(
-                f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens "
-                f"(the context window is {context})",
-                field,
-            )
-        room = context - len(ids)
-        requested, name = req.token_budget()
-        if requested is None:
-            return ids, min(self.default_max_tokens, room)
-        if requested > room:
-            raise ApiError(
-                f"'{name}'={requested} plus the prompt's {len(ids)} tokens exceeds the "
-                f"context window of {context}; use at most {room}",
-                name,
-            )
-        return ids, requested
-
     def _uses_draft(self, req: SamplingRequest) -> bool:
         return self.draft is not None and req.speculative
-
-    def _generate(
-        self,
-        req: SamplingRequest,
-        prompt_ids: list[int],
-        max_new: int,
-        on_tokens: TokenCallback | None = None,
-        logprobs: LogprobRecorder | None = None,
-    ) -> GenerationResult:
-        """The decode (blocking: a worker thread, under the decode lock); ``on_tokens`` gets each round's
-        tokens, ``logprobs`` (when asked) their log-probabilities."""
-        # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
-        temperature = req.temperature if req.temperature >= 1e-5 else 0.0
-        sampling = SamplingConfig(temperature=temperature, top_p=req.top_p, top_k=req.top_k)
-        device = self.target.device
-        generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
-        input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
-        if self._uses_draft(req):
-            return speculative_generate(
-                self.target,
-                self.draft,
-                input_ids,
-                self.tree,
-                sampling,
-                max_new,
-                generator,
-                on_tokens=on_tokens,
-                logprobs=logprobs,
-            )
-        return vanilla_generate(
-            self.target, input_ids, sampling, max_new, generator, on_tokens=on_tokens, logprobs=logprobs
-        )
 
     def _tail(self, job: "Job", result: GenerationResult, n_tokens: int, hit_stop: bool) -> tuple[str, dict[str, Any]]:
         """finish_reason, and the usage + speculative fields every response (or last chunk) ends with."""
@@ -489,51 +425,3 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus},
         **scaling,
     ).bind(_portable(cfg))
-
-
-def serve_url(cfg: RunConfig) -> str:
-    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
-    return f"http://{host}:{cfg.serve.port}"
-
-
-def start_serve(cfg: RunConfig) -> str:
-    """Start (or update) the application on the configured Ray; returns its base URL once ready."""
-    from pipeline.runtime import ensure_ray
-
-    ensure_ray(cfg)
-    serve.start(
-        http_options={"host": cfg.serve.host, "port": cfg.serve.port, "request_timeout_s": cfg.serve.request_timeout_s}
-    )
-    serve.run(app_builder(ServeArgs(run_config=cfg.resolved())), name=APP_NAME, route_prefix="/")
-    return serve_url(cfg)
-
-
-def stop_serve() -> None:
-    serve.shutdown()
-
-
-def is_serving(url: str, timeout: float = 2.0) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def ensure_serving(cfg: RunConfig) -> tuple[str, bool]:
-    """The endpoint's URL, starting Serve when nothing answers there; True when this call started it."""
-    url = serve_url(cfg)
-    return (url, False) if is_serving(url) else (start_serve(cfg), True)
-
-
-def run_serve(cfg: RunConfig) -> None:
-    """``griffin serve``: start, print the URL, block until Ctrl-C, shut Serve down."""
-    url = start_serve(cfg)
-    what = f"draft {cfg.serve.draft_uri}" if cfg.serve.draft_uri else "vanilla decoding (no serve.draft_uri)"
-    print(f"serving {served_model_name(cfg)} with {what} at {url}/v1 (Ctrl-C to stop)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        stop_serve()

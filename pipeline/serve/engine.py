@@ -15,7 +15,19 @@ from typing import Any
 
 from fastapi import Request
 
-from griffin.decode import GenerationResult, GenerationStats, LogprobRecorder, TokenCallback
+import torch
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import (
+    GenerationResult,
+    GenerationStats,
+    LogprobRecorder,
+    TokenCallback,
+    speculative_generate,
+    vanilla_generate,
+)
+from griffin.model import GriffinDraft
+from griffin.target import TargetAdapter
 from pipeline.serve.protocol import LogprobFormatter, SamplingRequest
 from pipeline.serve.sse import TextStream
 
@@ -207,3 +219,37 @@ class Once:
         action, self.action = self.action, None
         if action is not None:
             action()
+
+
+def generate(
+    target: TargetAdapter,
+    draft: GriffinDraft | None,
+    tree: TreeConfig,
+    req: SamplingRequest,
+    prompt_ids: list[int],
+    max_new: int,
+    on_tokens: TokenCallback | None = None,
+    logprobs: LogprobRecorder | None = None,
+) -> GenerationResult:
+    """A request's decode with ``draft`` (None: vanilla), blocking: run it in a worker thread under the
+    replica's decode lock; ``on_tokens`` gets each round's
+    tokens, ``logprobs`` (when asked) their log-probabilities."""
+    # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
+    temperature = req.temperature if req.temperature >= 1e-5 else 0.0
+    sampling = SamplingConfig(temperature=temperature, top_p=req.top_p, top_k=req.top_k)
+    device = target.device
+    generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
+    input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
+    if draft is not None:
+        return speculative_generate(
+            target,
+            draft,
+            input_ids,
+            tree,
+            sampling,
+            max_new,
+            generator,
+            on_tokens=on_tokens,
+            logprobs=logprobs,
+        )
+    return vanilla_generate(target, input_ids, sampling, max_new, generator, on_tokens=on_tokens, logprobs=logprobs)

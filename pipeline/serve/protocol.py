@@ -22,6 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.data.chat import encode, render_chat
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -389,3 +391,41 @@ def _too_large(size: str, limit: int) -> ApiError:
         status=413,
         code="request_too_large",
     )
+
+
+def prompt_and_budget(
+    req: SamplingRequest, tokenizer: Any, model_id: str, context: int, default_max_tokens: int
+) -> tuple[list[int], int]:
+    """The prompt's token ids and the token budget, checked against the context window."""
+    if req.model is not None and req.model != model_id:
+        raise ApiError(
+            f"model {req.model!r} does not exist; this server serves {model_id!r} (see GET /v1/models)",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    field = "messages" if isinstance(req, ChatRequest) else "prompt"
+    try:
+        ids = (
+            render_chat(tokenizer, [m.as_dict() for m in req.messages])
+            if isinstance(req, ChatRequest)
+            else encode(tokenizer, req.prompt, add_special_tokens=True)
+        )  # a raw prompt: BOS as usual
+    except Exception as error:  # a template may refuse e.g. a system message: the client's input
+        raise ApiError(f"'{field}' could not be rendered with the chat template: {error}", field) from None
+    if not ids or len(ids) >= context:
+        raise ApiError(
+            f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens (the context window is {context})",
+            field,
+        )
+    room = context - len(ids)
+    requested, name = req.token_budget()
+    if requested is None:
+        return ids, min(default_max_tokens, room)
+    if requested > room:
+        raise ApiError(
+            f"'{name}'={requested} plus the prompt's {len(ids)} tokens exceeds the "
+            f"context window of {context}; use at most {room}",
+            name,
+        )
+    return ids, requested

@@ -1,0 +1,59 @@
+"""Running the application: ``start_serve(cfg) -> url`` (on the configured Ray), ``stop_serve()``,
+``ensure_serving(cfg)`` (start only when nothing answers) and ``run_serve(cfg)``, which is ``griffin serve``."""
+
+from __future__ import annotations
+
+import time
+
+from ray import serve
+
+from pipeline.config import RunConfig
+from pipeline.serve.app import APP_NAME, ServeArgs, app_builder, served_model_name
+
+
+def serve_url(cfg: RunConfig) -> str:
+    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
+    return f"http://{host}:{cfg.serve.port}"
+
+
+def start_serve(cfg: RunConfig) -> str:
+    """Start (or update) the application on the configured Ray; returns its base URL once ready."""
+    from pipeline.runtime import ensure_ray
+
+    ensure_ray(cfg)
+    serve.start(
+        http_options={"host": cfg.serve.host, "port": cfg.serve.port, "request_timeout_s": cfg.serve.request_timeout_s}
+    )
+    serve.run(app_builder(ServeArgs(run_config=cfg.resolved())), name=APP_NAME, route_prefix="/")
+    return serve_url(cfg)
+
+
+def stop_serve() -> None:
+    serve.shutdown()
+
+
+def is_serving(url: str, timeout: float = 2.0) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def ensure_serving(cfg: RunConfig) -> tuple[str, bool]:
+    """The endpoint's URL, starting Serve when nothing answers there; True when this call started it."""
+    url = serve_url(cfg)
+    return (url, False) if is_serving(url) else (start_serve(cfg), True)
+
+
+def run_serve(cfg: RunConfig) -> None:
+    """``griffin serve``: start, print the URL, block until Ctrl-C, shut Serve down."""
+    url = start_serve(cfg)
+    what = f"draft {cfg.serve.draft_uri}" if cfg.serve.draft_uri else "vanilla decoding (no serve.draft_uri)"
+    print(f"serving {served_model_name(cfg)} with {what} at {url}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        stop_serve()
