@@ -24,7 +24,8 @@ import torch
 
 from griffin.config import TreeConfig
 from pipeline.config import load_config
-from pipeline.evaluate.evaluate import _warm_up, evaluate_dataset, hf_decoder, local_decoder
+from pipeline.evaluate.evaluate import _warm_up, evaluate_dataset
+from pipeline.evaluate.methods import hf_decoder, local_decoder
 from pipeline.evaluate.report import hardware, summarize
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.questions import load_questions

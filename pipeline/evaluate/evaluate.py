@@ -17,222 +17,73 @@ import hashlib
 import json
 import logging
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import speculative_generate, vanilla_generate
 from griffin.checkpoint import tensors_sha256
 from pipeline.files import atomic_write_json, atomic_write_text
-from pipeline.config import RunConfig, TargetSection
+from pipeline.config import RunConfig
 from pipeline.console import Progress, say
-from pipeline.resources.drafts import draft_for_run, load_draft_uri
+from pipeline.resources.drafts import draft_for_run
 from pipeline.resources.questions import load_questions
 from pipeline.resources.targets import load_target, target_fingerprint
 from pipeline.data.chat import render_chat
-from pipeline.serve.protocol import completion_text
+from pipeline.evaluate.methods import Method, Output, build_methods, load_drafts
 from pipeline.evaluate.report import log_report, machine_identity, summarize, write_reports
 
 logger = logging.getLogger(__name__)
-PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16
 FINISHED = "finished.json"  # {"key", "summary"} of the last completed evaluation in eval/
 
 
-@dataclass
-class Output:
-    text: str
-    new_tokens: int  # stop token included, as decoded
-    seconds: float  # wall time of the whole call, prefill included
-    tokens: list[int] | None = None  # None through the endpoint, which returns text
-    accepted_per_round: list[int] | None = None  # speculative methods only
-    draft_seconds: float | None = None  # in-process speculative methods: drafting (catch-up + tree), all rounds
-    verify_seconds: float | None = None  # ... and the target's verify passes with acceptance
-
-
-# messages, prompt ids, sampling, max_new_tokens, seed -> Output
-Method = Callable[[list[dict[str, str]], list[int], SamplingConfig, int, int], Output]
-
-
-def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None = None) -> Method:
-    """Our decoder in this process: speculative with ``draft`` and ``tree``, vanilla without."""
-
-    def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
-        generator = torch.Generator(device=target.device).manual_seed(seed)
-        ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
-        start = time.perf_counter()
-        if draft is None:
-            result = vanilla_generate(target, ids, sampling, max_new, generator)
-        else:
-            result = speculative_generate(target, draft, ids, tree, sampling, max_new, generator)
-        seconds = time.perf_counter() - start
-        text = completion_text(target.tokenizer, result.tokens, target.stop_token_ids, [])[0]
-        if draft is None:
-            return Output(text, len(result.tokens), seconds, result.tokens)
-        stats = result.stats
-        return Output(
-            text,
-            len(result.tokens),
-            seconds,
-            result.tokens,
-            stats.accepted_per_round,
-            stats.draft_time,
-            stats.verify_time,
+def _turn_records(
+    name: str,
+    temperature: float,
+    question: dict,
+    turn: int,
+    prompt_ids: list[int],
+    outputs: dict[str, Output],
+    target: Any,
+) -> list[dict[str, Any]]:
+    """One record per method for one question turn; at T=0 a method that differs from vanilla is logged
+    with its first divergence (a near tie in the target's logits is a warning, anything else an error)."""
+    records = []
+    for method, out in outputs.items():
+        divergence = None
+        if temperature == 0 and out.accepted_per_round is not None and _differs(out, outputs["vanilla"]):
+            divergence = first_divergence(target, prompt_ids, out, outputs["vanilla"])
+            log = logger.warning if divergence["near_tie"] else logger.error
+            log(
+                "%s question %s turn %d: %s differs from vanilla at T=0: %s",
+                name,
+                question["question_id"],
+                turn + 1,
+                method,
+                divergence,
+            )
+        records.append(
+            {
+                "dataset": name,
+                "temperature": temperature,
+                "question_id": question["question_id"],
+                "turn": turn + 1,
+                "method": method,
+                "prompt_tokens": len(prompt_ids),
+                "new_tokens": out.new_tokens,
+                "seconds": out.seconds,
+                "tokens_per_s": out.new_tokens / out.seconds,
+                "text": out.text,
+                "tokens": out.tokens,
+                "accepted_per_round": out.accepted_per_round,
+                "draft_seconds": out.draft_seconds,
+                "verify_seconds": out.verify_seconds,
+                "mismatch": divergence is not None,
+                "divergence": divergence,
+            }
         )
-
-    return run
-
-
-def hf_decoder(target: Any, **generate_kwargs: Any) -> Method:
-    """HF ``generate`` on the same weights (plain, prompt lookup or an assistant model)."""
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
-
-    def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
-        ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
-        kwargs = dict(
-            max_new_tokens=max_new,
-            eos_token_id=target.stop_token_ids,
-            pad_token_id=pad,
-            attention_mask=torch.ones_like(ids),
-            **generate_kwargs,
-        )
-        if sampling.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:  # top_k=0: off, as in our sampler (HF's default would be 50)
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        torch.manual_seed(seed)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            tokens = target.model.generate(ids, **kwargs)[0, ids.shape[1] :].tolist()
-        seconds = time.perf_counter() - start
-        text = completion_text(target.tokenizer, tokens, target.stop_token_ids, [])[0]
-        return Output(text, len(tokens), seconds, tokens)
-
-    return run
-
-
-def endpoint_decoder(client: Any, url: str, speculative: bool) -> Method:
-    """The Serve endpoint; ``speculative=False`` asks it to decode without the draft. The endpoint
-    returns the emitted token ids (``return_token_ids``), so a T=0 divergence is located at the token
-    level with its logit gap (``first_divergence``) in through_serve mode too."""
-
-    def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
-        body = {
-            "messages": messages,
-            "max_tokens": max_new,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "seed": seed,
-            "speculative": speculative,
-            "return_token_ids": True,
-        }
-        start = time.perf_counter()
-        response = client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
-        seconds = time.perf_counter() - start
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
-        data = response.json()
-        spec = data["speculative"]
-        return Output(
-            data["choices"][0]["message"]["content"],
-            data["usage"]["completion_tokens"],
-            seconds,
-            tokens=spec.get("token_ids"),  # absent from a server that predates return_token_ids
-            accepted_per_round=spec["accepted_per_round"] if spec["enabled"] else None,
-        )
-
-    return run
-
-
-def load_drafts(cfg: RunConfig, target: Any, draft: Any) -> dict[str, Any]:
-    """The draft model of each speculative method: ``griffin`` and every ``eval.extra_drafts`` label."""
-    drafts = {"griffin": draft}
-    for label, uri in cfg.eval.extra_drafts.items():
-        if label in ("griffin", "vanilla") or label.startswith("hf_"):
-            raise ValueError(f"eval.extra_drafts label {label!r} collides with a method name; pick another")
-        drafts[label] = load_draft_uri(uri, target, cfg)
-    return drafts
-
-
-def build_methods(
-    cfg: RunConfig, target: Any, drafts: dict[str, Any], draft_uri: str | None
-) -> tuple[dict[str, Method], bool]:
-    """Methods in report order, and whether this call started Serve (through_serve with none running)."""
-    evaluation, started = cfg.eval, False
-    if evaluation.through_serve:
-        methods, started = _endpoint_methods(cfg, draft_uri)
-    else:
-        methods = {"griffin": local_decoder(target, drafts["griffin"], cfg.eval_tree), "vanilla": local_decoder(target)}
-    for label, draft in drafts.items():
-        if label != "griffin":
-            methods[label] = local_decoder(target, draft, cfg.eval_tree)
-    stock = _stock(cfg, target) if any(b.startswith("hf_") for b in evaluation.baselines) else target
-    if "hf_generate" in evaluation.baselines:
-        methods["hf_generate"] = hf_decoder(stock)
-    if "hf_prompt_lookup" in evaluation.baselines:
-        methods["hf_prompt_lookup"] = hf_decoder(stock, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
-    if "hf_assisted" in evaluation.baselines:
-        methods["hf_assisted"] = hf_decoder(stock, assistant_model=_assistant(cfg, target).model)
-    return methods, started
-
-
-def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, Method], bool]:
-    """GRIFFIN and vanilla through the endpoint (started with ``draft_uri`` when none is running)."""
-    import httpx
-
-    from pipeline.serve.lifecycle import ensure_serving
-
-    if draft_uri is None:
-        raise ValueError("eval.through_serve needs the draft as a URI or directory, not an in-memory model")
-    # a deployment this call starts decodes with the evaluation tree, the tree the report names
-    serving = cfg.model_copy(
-        update={
-            "serve": cfg.serve.model_copy(update={"draft_uri": draft_uri}),
-            "decode": cfg.decode.model_copy(update={"tree": cfg.eval_tree}),
-        }
-    )
-    url, started = ensure_serving(serving)
-    client = httpx.Client()
-    served = client.get(f"{url}/v1/models").json()["data"][0]
-    if served["draft"] != draft_uri:
-        logger.warning(
-            "%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served["draft"], draft_uri
-        )
-    if served["tree"] != cfg.eval_tree.model_dump():
-        logger.warning(
-            "%s decodes with tree %s, not the evaluation tree %s: the endpoint numbers are that tree's",
-            url,
-            served["tree"],
-            cfg.eval_tree.model_dump(),
-        )
-    methods = {"griffin": endpoint_decoder(client, url, True), "vanilla": endpoint_decoder(client, url, False)}
-    return methods, started
-
-
-def _stock(cfg: RunConfig, target: Any) -> Any:
-    """The HF baselines run stock transformers: an unpacked copy when ours is pre-packed, so that
-    'vs HF' measures what a user gets out of the box, and 'vs vanilla' isolates speculation."""
-    return load_target(cfg.target) if target.packed else target
-
-
-def _assistant(cfg: RunConfig, target: Any) -> Any:
-    """The smaller model for HF assisted generation; it must share the target's tokenizer."""
-    if not cfg.eval.assistant_model:
-        raise ValueError(
-            "eval.baselines lists hf_assisted but eval.assistant_model is not set: name a smaller "
-            "model with the target's tokenizer (e.g. qwen2.5-coder-0.5b-instruct) or drop hf_assisted"
-        )
-    assistant = load_target(
-        TargetSection(name=cfg.eval.assistant_model, dtype=cfg.target.dtype, device=cfg.target.device)
-    )
-    if assistant.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        raise ValueError(f"eval.assistant_model {cfg.eval.assistant_model!r} does not share the target's tokenizer")
-    return assistant
+    return records
 
 
 def evaluate_dataset(
@@ -273,39 +124,7 @@ def evaluate_dataset(
                 break
             seed = cfg.eval.seed + 1000 * turn + index
             outputs = {method: methods[method](messages, prompt_ids, sampling, max_new, seed) for method in order}
-            for method, out in outputs.items():
-                divergence = None
-                if temperature == 0 and out.accepted_per_round is not None and _differs(out, outputs["vanilla"]):
-                    divergence = first_divergence(target, prompt_ids, out, outputs["vanilla"])
-                    log = logger.warning if divergence["near_tie"] else logger.error
-                    log(
-                        "%s question %s turn %d: %s differs from vanilla at T=0: %s",
-                        name,
-                        question["question_id"],
-                        turn + 1,
-                        method,
-                        divergence,
-                    )
-                records.append(
-                    {
-                        "dataset": name,
-                        "temperature": temperature,
-                        "question_id": question["question_id"],
-                        "turn": turn + 1,
-                        "method": method,
-                        "prompt_tokens": len(prompt_ids),
-                        "new_tokens": out.new_tokens,
-                        "seconds": out.seconds,
-                        "tokens_per_s": out.new_tokens / out.seconds,
-                        "text": out.text,
-                        "tokens": out.tokens,
-                        "accepted_per_round": out.accepted_per_round,
-                        "draft_seconds": out.draft_seconds,
-                        "verify_seconds": out.verify_seconds,
-                        "mismatch": divergence is not None,
-                        "divergence": divergence,
-                    }
-                )
+            records += _turn_records(name, temperature, question, turn, prompt_ids, outputs, target)
             messages.append({"role": "assistant", "content": outputs["griffin"].text})
             if progress is not None:
                 progress.update(progress.done + 1, f"{name} T={temperature:g}")

@@ -95,7 +95,7 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
 def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, monkeypatch):
     """Killed in question 2, a rerun takes question 1 from the ledger, decodes 2 and 3, and reports all
     three; the ledger goes with the reports. A ledger from other settings is not reused."""
-    from pipeline.evaluate import evaluate
+    from pipeline.evaluate import evaluate, methods
 
     questions = tmp_path / "three.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
@@ -114,7 +114,7 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
     target = load_target(cfg.target)
     torch.manual_seed(0)
     draft_dir = save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target)
-    real, calls = evaluate.speculative_generate, []
+    real, calls = methods.speculative_generate, []
 
     def killed_in_question_2(*args, **kwargs):
         calls.append(1)
@@ -122,7 +122,7 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "speculative_generate", killed_in_question_2)
+    monkeypatch.setattr(methods, "speculative_generate", killed_in_question_2)
     with pytest.raises(KeyboardInterrupt):
         run_eval(cfg, draft=str(draft_dir))
     ledger = tmp_path / "tiny" / "eval" / "unfinished.jsonl"
@@ -134,7 +134,7 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
         out.write('{"dataset": "three", "temp')
 
     calls.clear()
-    monkeypatch.setattr(evaluate, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(methods, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     summary = run_eval(cfg, draft=str(draft_dir))
     assert len(calls) == 3  # the warm-up and questions 2 and 3 only
     assert summary["resumed_questions"] == 1 and not ledger.exists()
@@ -153,7 +153,7 @@ def test_a_killed_eval_reruns_only_the_questions_it_had_not_finished(tmp_path, m
 def test_griffin_run_reuses_a_finished_eval_only_with_the_same_settings(tmp_path, monkeypatch):
     """`griffin run` (reuse_finished) takes a finished evaluation's summary instead of decoding again,
     but only for the same config, weights and machine; `griffin eval` always measures afresh."""
-    from pipeline.evaluate import evaluate
+    from pipeline.evaluate import evaluate, methods
 
     questions = tmp_path / "one.jsonl"
     questions.write_text(json.dumps(QUESTIONS[2]) + "\n")
@@ -170,8 +170,8 @@ def test_griffin_run_reuses_a_finished_eval_only_with_the_same_settings(tmp_path
     target = load_target(cfg.target)
     torch.manual_seed(0)
     draft_dir = str(save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target))
-    real, calls = evaluate.speculative_generate, []
-    monkeypatch.setattr(evaluate, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real, calls = methods.speculative_generate, []
+    monkeypatch.setattr(methods, "speculative_generate", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     first = run_eval(cfg, draft=draft_dir, reuse_finished=True)  # nothing finished yet: measured
     assert len(calls) == 2  # the warm-up and the question
