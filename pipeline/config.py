@@ -346,11 +346,6 @@ class RunConfig(Section):
         return self.model_dump(mode="json")
 
 
-def _parse_value(text: str) -> Any:
-    """Override values are YAML scalars/lists: 'true', '3', '1e-4', '[1, 2]', 'null'."""
-    return yaml.safe_load(text)
-
-
 def apply_override(data: dict[str, Any], dotted: str) -> None:
     if "=" not in dotted:
         raise ValueError(f"override {dotted!r} must look like section.field=value")
@@ -361,7 +356,7 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {dotted!r}: {part!r} is not a section")
-    node[parts[-1]] = _parse_value(value)
+    node[parts[-1]] = yaml.safe_load(value)  # a YAML scalar or list: 'true', '3', '1e-4', '[1, 2]', 'null'
 
 
 def _fields_at(loc: tuple) -> list[str]:

@@ -93,3 +93,20 @@ def test_every_package_says_what_it_owns():
     for init in [*(REPO / "pipeline").rglob("__init__.py"), REPO / "griffin" / "__init__.py"]:
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "import" in doc, f"{init.relative_to(REPO)} has no docstring saying what it may import"
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 70
+
+
+@pytest.mark.parametrize("path", sources("griffin") + sources("pipeline"), ids=lambda p: str(p.relative_to(REPO)))
+def test_library_modules_and_functions_stay_small(path):
+    """A library module holds at most 450 lines and a function at most 70: split by job, not by accident."""
+    text = path.read_text()
+    assert text.count("\n") <= MAX_FILE_LINES, f"{path.relative_to(REPO)}: {text.count(chr(10))} lines"
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno >= MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{path.relative_to(REPO)}: {long}"
