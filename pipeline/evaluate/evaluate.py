@@ -13,7 +13,6 @@ go through the HTTP endpoint (client-side wall time); the rest stay in-process.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from griffin.checkpoint import tensors_sha256
-from pipeline.files import atomic_write_json, atomic_write_text
+from pipeline.files import atomic_write_json, atomic_write_text, finished, reuse_key
 from pipeline.config import RunConfig
 from pipeline.console import Progress, say
 from pipeline.resources.drafts import draft_for_run
@@ -200,14 +199,13 @@ def eval_key(cfg: RunConfig, target: Any, drafts: dict[str, Any]) -> str:
         "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()},
         "machine": machine_identity(),
     }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    return reuse_key(identity)
 
 
 def finished_summary(eval_dir: Path, key: str) -> dict[str, Any] | None:
     """The summary of a finished evaluation in ``eval_dir`` with this ``key``, else None."""
-    marker = eval_dir / FINISHED
-    data = _json_or_none(marker.read_text()) if marker.is_file() else None
-    return data["summary"] if isinstance(data, dict) and data.get("key") == key else None
+    data = finished(eval_dir / FINISHED, key)
+    return data["summary"] if data is not None else None
 
 
 NEAR_TIE_LOGITS = 0.25  # two bf16 rounding steps of a logit of magnitude 16-32

@@ -37,6 +37,7 @@ from griffin.decode import acceptance_length, device_time, speculative_generate
 from griffin.replay import GREEDY, GreedyReference, greedy_reference, replay_greedy
 from pipeline import console
 from pipeline.config import RunConfig
+from pipeline.files import atomic_write_text, finished, reuse_key
 
 logger = logging.getLogger(__name__)
 TOTAL_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -159,12 +160,8 @@ def reusable_tuning(cfg: RunConfig, draft_uri: str) -> dict[str, Any] | None:
     config's defaults would (same draft, settings and machine), else None."""
     from pipeline.resources.drafts import canonical_draft_uri
 
-    report = cfg.run_dir / "tune_tree" / "tune_tree.json"
-    if not report.is_file():
-        return None
-    data = json.loads(report.read_text())
     wanted = tune_settings(cfg, canonical_draft_uri(draft_uri), cfg.decode.tune_prompts, cfg.decode.tune_max_new_tokens)
-    return data if data.get("settings") == wanted else None
+    return finished(cfg.run_dir / "tune_tree" / "tune_tree.json", reuse_key(wanted))
 
 
 def run_tune_tree(
@@ -200,8 +197,10 @@ def run_tune_tree(
 
     best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
+    settings = tune_settings(cfg, draft_uri, prompts, max_new_tokens)
     result = {
-        "settings": tune_settings(cfg, draft_uri, prompts, max_new_tokens),
+        "key": reuse_key(settings),  # what a later run compares to reuse this tuning (``reusable_tuning``)
+        "settings": settings,
         "target": target.name,
         "prepacked": target.packed,
         "verify_ms_by_tokens": curve,
@@ -236,7 +235,7 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
     from matplotlib.figure import Figure
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tune_tree.json").write_text(json.dumps(result, indent=2))
+    atomic_write_text(out / "tune_tree.json", json.dumps(result, indent=2))
     curve = result["verify_ms_by_tokens"]
     step = curve[1] if 1 in curve else curve[min(curve)]
     settings = result["settings"]
