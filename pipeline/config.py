@@ -359,22 +359,34 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
     node[parts[-1]] = yaml.safe_load(value)  # a YAML scalar or list: 'true', '3', '1e-4', '[1, 2]', 'null'
 
 
-def _fields_at(loc: tuple) -> list[str]:
-    """The allowed keys of the model that holds ``loc``'s last part (for 'unknown key' errors)."""
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The model that holds ``loc``'s last part, e.g. ("train", "token_loss") -> TrainSection."""
     model: Any = RunConfig
     for part in loc[:-1]:
         if isinstance(part, int):
             continue  # a list item: its model was picked at the list's key
         field = model.model_fields.get(part)
         if field is None:
-            return []
-        annotation = field.annotation
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        models = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
-        if not models:
-            return []
-        model = models[0]
-    return list(model.model_fields)
+            return None
+        model = _submodel(field.annotation)
+        if model is None:
+            return None
+    return model
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def _unknown_key(loc: tuple) -> str:
+    """'unknown key' with the allowed keys, and where the key lives when a subsection has it
+    (e.g. train.token_loss -> train.method.token_loss)."""
+    where, model = ".".join(str(p) for p in loc), _model_at(loc)
+    message = f"unknown key {where!r} (allowed: {', '.join(model.model_fields) if model else ''})"
+    homes = [f"{'.'.join(str(p) for p in loc[:-1])}.{name}.{loc[-1]}" for name, field in (model.model_fields.items()
+             if model else ()) if (sub := _submodel(field.annotation)) and loc[-1] in sub.model_fields]
+    return message + (f"; did you mean {homes[0]!r}?" if homes else "")
 
 
 def _explain(error: ValidationError) -> str:
@@ -382,7 +394,7 @@ def _explain(error: ValidationError) -> str:
     for item in error.errors():
         where = ".".join(str(p) for p in item["loc"]) or "config"
         if item["type"] == "extra_forbidden":
-            lines.append(f"unknown key {where!r} (allowed: {', '.join(_fields_at(item['loc']))})")
+            lines.append(_unknown_key(item["loc"]))
         else:
             lines.append(f"{where}: {item['msg']}")
     return "; ".join(lines)

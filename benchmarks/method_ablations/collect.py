@@ -22,12 +22,14 @@ ABLATIONS = {
     "g3-perpass": ("GRIFFIN-3, R detached between passes (per_pass) vs full TTT backprop", "g3"),
     "g-lk": ("GRIFFIN, LK-hybrid token loss vs KL", "g-kl"),
     "e3-lk": ("EAGLE-3, LK-hybrid token loss vs KL", "e3"),
-    "g-reply": ("GRIFFIN, draft vocabulary from reply tokens vs all tokens", "g-kl"),
-    "e3-oov": ("EAGLE-3, positions with an out-of-vocabulary target argmax skipped vs kept", "e3"),
+    "g-reply": ("GRIFFIN, draft vocabulary from reply tokens vs all tokens (stage 1, step 200)", "g-kl"),
+    "e3-oov": ("EAGLE-3, positions with an out-of-vocabulary target argmax skipped vs kept (stage 1, step 200)", "e3"),
     "g-pw08": ("GRIFFIN, pass weights 0.8^k vs 1", "g-kl"),
     "e3-pw08": ("EAGLE-3, pass weights 0.8^k vs 1", "e3"),
 }
 VARIANTS = {"g-kl": "GRIFFIN", "e3": "EAGLE-3", "g3": "GRIFFIN-3"}
+HALF_BUDGET = {"g-reply", "e3-oov"}  # the first 200 of the baseline's 400 stage-1 steps, same LR schedule
+HALF_STEP = 200
 
 
 def held_out(run: str) -> dict[str, float]:
@@ -35,6 +37,25 @@ def held_out(run: str) -> dict[str, float]:
     stages = sorted((ROOT / "outputs" / f"smollm2-abl-{run}" / "train").glob("stage*/_complete.json"))
     return {f"stage {json.loads(p.read_text())['stage']}": json.loads(p.read_text())["best_metrics"][SCORE]
             for p in stages}
+
+
+def score_at(run: str, stage: int, step: int) -> float | None:
+    """The held-out score a run logged to MLflow at ``step`` of ``stage`` (rank 0's eval)."""
+    from mlflow.tracking import MlflowClient
+
+    done = ROOT / "outputs" / f"smollm2-abl-{run}" / "train" / f"stage{stage}" / "_complete.json"
+    if not done.exists():
+        return None
+    client = MlflowClient(f"sqlite:///{ROOT / 'outputs' / 'mlflow.db'}")
+    history = client.get_metric_history(json.loads(done.read_text())["mlflow_run_id"], SCORE)
+    return next((m.value for m in history if m.step == step), None)
+
+
+def compared(run: str, base: str) -> tuple[float | None, float | None]:
+    """(run's score, baseline's score) at equal steps."""
+    if run in HALF_BUDGET:
+        return score_at(run, 1, HALF_STEP), score_at(base, 1, HALF_STEP)
+    return held_out(run).get("stage 3"), held_out(base).get("stage 3")
 
 
 def decode_rows(report: dict) -> tuple[dict, list[str]]:
@@ -64,11 +85,11 @@ def main() -> None:
     for run, name in VARIANTS.items():
         scores = runs[run]
         lines.append(f"| {name} | {scores.get('stage 1', float('nan')):.3f} | {scores.get('stage 3', float('nan')):.3f} |")
-    lines += ["", "## Ablations (stage 3, against the baseline's stage 3)", "",
+    lines += ["", "## Ablations (best of stage 3 against the baseline's, or at step 200 of stage 1 where noted)", "",
               "| run | what changed | run | baseline | ratio |", "|---|---|---:|---:|---:|"]
     comparisons = {}
     for run, (what, base) in ABLATIONS.items():
-        mine, theirs = runs[run].get("stage 3"), runs[base].get("stage 3")
+        mine, theirs = compared(run, base)
         if mine is None or theirs is None:
             lines.append(f"| {run} | {what} | not run | | |")
             continue

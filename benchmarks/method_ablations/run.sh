@@ -10,7 +10,9 @@
 #   g-pw08 / e3-pw08          stage 3 only, from g-kl's / e3's stage-1 best, pass weights 0.8^k
 #
 # (Stage 1 runs one pass, where TTT backprop and pass weights change nothing, so those ablations share
-# their baseline's stage 1 and differ only in stage 3.) Every run resumes or is skipped when done.
+# their baseline's stage 1 and differ only in stage 3.) g-reply and e3-oov run the first 200 of the
+# baseline's 400 stage-1 steps, with the same learning-rate schedule (its decay set to 400 steps), and
+# are compared with the baseline's held-out score at step 200. Every run resumes or is skipped when done.
 # Then one interleaved in-process evaluation decodes the GRIFFIN, EAGLE-3 and GRIFFIN-3 drafts with KL
 # and the LK ones against vanilla decoding. benchmarks/method_ablations/collect.py writes the tables.
 #
@@ -21,6 +23,7 @@ CFG=jobs/configs/smollm2-variants.yaml
 G=.venv/bin/griffin
 out() { echo "outputs/smollm2-abl-$1"; }
 STAGE3_ONLY="train.schedule=[{stage: 3, steps: 40, lr: 0.00003}]"
+HALF_STAGE1="train.schedule=[{stage: 1, steps: 200, lr: 0.0005}]"  # with train.method.total_steps=400
 
 overrides() {  # the overrides of one run
   case $1 in
@@ -41,7 +44,10 @@ overrides() {  # the overrides of one run
 
 train() {
   local name=$1 extra=()
-  case $name in *-perpass|*-pw08) extra=("$STAGE3_ONLY") ;; esac
+  case $name in
+    *-perpass|*-pw08) extra=("$STAGE3_ONLY") ;;
+    g-reply|e3-oov) extra=("$HALF_STAGE1" train.method.total_steps=400) ;;
+  esac
   # shellcheck disable=SC2046
   $G train -c "$CFG" run_name="smollm2-abl-$name" registry.model_name="smollm2-abl-$name" \
     $(overrides "$name") "${extra[@]}"

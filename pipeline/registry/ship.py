@@ -80,6 +80,9 @@ def build_card(raw_config: dict[str, Any], report: dict[str, Any], method: str) 
         },
         "data": {key: resolved.get("data", {}).get(key) for key in ("source", "limit", "max_len", "split")},
         "schedule": resolved.get("train", {}).get("schedule"),
+        # drafts trained before these options existed trained with KL and a vocabulary from all tokens
+        "token_loss": resolved.get("train", {}).get("method", {}).get("token_loss", "kl"),
+        "vocab_from": resolved.get("draft", {}).get("vocab_from", "all"),
         "steps": sum(stage["steps"] for stage in resolved.get("train", {}).get("schedule") or []),
         "held_out": provenance.get("metrics", {}).get("eval/sim_accept_len"),
         "feature_manifest_sha256": provenance.get("feature_manifest_sha256"),
@@ -98,7 +101,8 @@ def card_markdown(card: dict[str, Any], serve_command: str) -> str:
 
 A {card["variant"].upper()} speculative-decoding draft for `{card["target"]}`, trained by this project
 ({card["steps"]} optimizer steps on {card["data"]["limit"] or "all"} conversations of
-`{card["data"]["source"]}`, schedule {card["schedule"]}), bf16. Decoding with it is lossless: the
+`{card["data"]["source"]}`, schedule {card["schedule"]}; token loss `{card.get("token_loss", "kl")}`, draft
+vocabulary from `{card.get("vocab_from", "all")}` tokens), bf16. Decoding with it is lossless: the
 target verifies every drafted token.
 
 Serve it:

@@ -87,6 +87,8 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     assert card["tree"] == {k: report["tree"][k] for k in ("total_tokens", "depth", "top_k")}
     assert set(card["measured"]) == {"three/T0", "three/T1"} and card["measured"]["three/T0"]["tau"] >= 1.0
     assert shipped["bytes"] < 30e6 and "griffin serve" in (tmp_path / "ship" / "README.md").read_text()
+    assert (card["token_loss"], card["vocab_from"]) == (cfg.train.method.token_loss, cfg.draft.vocab_from)
+    assert f"token loss `{card['token_loss']}`" in (tmp_path / "ship" / "README.md").read_text()
     weights = load_file(tmp_path / "ship" / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values() if t.is_floating_point())
     load_draft_uri(tmp_path / "ship", target, cfg)
