@@ -41,29 +41,39 @@ class DraftConfig(_Frozen):
     token_enhanced_head: bool = Field(default=True, description="TEH (§2.2); False = one H output")
     fc_bias: bool = True
     feature_layers: tuple[int, ...] | None = Field(
-        default=None, description="target hidden states read as the draft's input, as indices into HF's "
+        default=None,
+        description="target hidden states read as the draft's input, as indices into HF's "
         "hidden_states (0 = the embeddings, i = the output of layer i), concatenated and reduced to H by an "
-        "fc (EAGLE-3's low/mid/high fusion); None = the final post-norm feature")
+        "fc (EAGLE-3's low/mid/high fusion); None = the final post-norm feature",
+    )
     decoder_input: DecoderInput = Field(
-        default="fused", description="'fused': the layer reads one H-wide fusion of embedding and feature "
+        default="fused",
+        description="'fused': the layer reads one H-wide fusion of embedding and feature "
         "(EAGLE / GRIFFIN); 'concat': its attention reads [norm(embedding); norm(feature)], 2H wide, and the "
-        "feature is the residual (EAGLE-3)")
+        "feature is the residual (EAGLE-3)",
+    )
     trainable_head: bool = Field(
-        default=False, description="a final norm and an LM head of the draft's own over the draft vocabulary, "
-        "initialised from the target's rows (EAGLE-3); False = the target's frozen head")
+        default=False,
+        description="a final norm and an LM head of the draft's own over the draft vocabulary, "
+        "initialised from the target's rows (EAGLE-3); False = the target's frozen head",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "DraftConfig":
-        if self.feature_layers is not None and (not self.feature_layers or min(self.feature_layers) < 0
-                                                or len(set(self.feature_layers)) != len(self.feature_layers)):
+        if self.feature_layers is not None and (
+            not self.feature_layers
+            or min(self.feature_layers) < 0
+            or len(set(self.feature_layers)) != len(self.feature_layers)
+        ):
             raise ValueError(f"feature_layers={self.feature_layers} must be distinct hidden-state indices >= 0")
         if self.decoder_input == "concat" and self.token_guided_fusion:
-            raise ValueError("decoder_input='concat' (EAGLE-3's layer input) has no fusion for TGF to refine; "
-                             "use decoder_input='fused' with token_guided_fusion")
+            raise ValueError(
+                "decoder_input='concat' (EAGLE-3's layer input) has no fusion for TGF to refine; "
+                "use decoder_input='fused' with token_guided_fusion"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}"
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
@@ -109,8 +119,11 @@ class DraftConfig(_Frozen):
             token_enhanced_head=variant in ("griffin", "griffin3"),
         )
         if variant in MULTI_LAYER_VARIANTS:
-            fields.update(feature_layers=default_feature_layers(text_cfg.num_hidden_layers), trainable_head=True,
-                          decoder_input="concat" if variant == "eagle3" else "fused")
+            fields.update(
+                feature_layers=default_feature_layers(text_cfg.num_hidden_layers),
+                trainable_head=True,
+                decoder_input="concat" if variant == "eagle3" else "fused",
+            )
         fields.update(overrides)
         return cls(**fields)
 
@@ -159,8 +172,11 @@ class TrainConfig(_Frozen):
 
     align_top_k: int = Field(default=3, ge=1, description="k of the token-alignment mask")
     mask_shift: Literal["reference", "decode"] = "reference"
-    loss_window: LossWindow = Field(default="draft", description="supervised pairs: 'draft' = the ones a decode "
-                                    "drafts (from a reply's first token); 'reference' = EAGLE's unshifted mask")
+    loss_window: LossWindow = Field(
+        default="draft",
+        description="supervised pairs: 'draft' = the ones a decode "
+        "drafts (from a reply's first token); 'reference' = EAGLE's unshifted mask",
+    )
     value_weight: float = 1.0
     token_weight: float = 0.1
     topk_weight: float = 0.5
@@ -173,20 +189,31 @@ class TrainConfig(_Frozen):
     grad_clip_value: float = Field(default=0.5, gt=0.0)
     grad_accum: int = Field(default=1, ge=1)
     ttt_backprop: Literal["auto", "full", "per_pass"] = Field(
-        default="auto", description="'full': a later pass reads the earlier passes' R with its graph and one "
+        default="auto",
+        description="'full': a later pass reads the earlier passes' R with its graph and one "
         "backward runs over the summed pass losses (EAGLE-3's training-time test); 'per_pass': R is detached and "
         "each pass backpropagates alone (the official GRIFFIN/HASS code); 'auto': full exactly for variants "
-        "without a feature loss (eagle3, griffin3), whose R is otherwise trained by nothing")
+        "without a feature loss (eagle3, griffin3), whose R is otherwise trained by nothing",
+    )
     token_loss: Literal["kl", "lk", "lk_hybrid"] = Field(
-        default="kl", description="each pass's token term: 'kl' forward KL to the target (as cross-entropy); "
+        default="kl",
+        description="each pass's token term: 'kl' forward KL to the target (as cross-entropy); "
         "'lk' -log of the expected acceptance rate a = mean_t sum_x min(p_t(x), q_t(x)); 'lk_hybrid' "
-        "w*KL + (1-w)*(1-a), w = lk_kl_scale*exp(-lk_kl_decay*a) (LK losses, arXiv 2602.23881)")
+        "w*KL + (1-w)*(1-a), w = lk_kl_scale*exp(-lk_kl_decay*a) (LK losses, arXiv 2602.23881)",
+    )
     lk_kl_scale: float = Field(default=1.0, ge=0.0, le=1.0)
     lk_kl_decay: float = Field(default=1.0, ge=0.0)
-    pass_weight_decay: float = Field(default=1.0, gt=0.0, le=1.0, description="pass j's loss is weighted "
-                                     "decay^(j-1): 1.0 weighs every pass alike, EAGLE-3 uses 0.8")
-    skip_out_of_vocab: bool = Field(default=False, description="drop positions whose target argmax lies outside "
-                                    "a reduced draft vocabulary from every loss (EAGLE-3's rule)")
+    pass_weight_decay: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="pass j's loss is weighted decay^(j-1): 1.0 weighs every pass alike, EAGLE-3 uses 0.8",
+    )
+    skip_out_of_vocab: bool = Field(
+        default=False,
+        description="drop positions whose target argmax lies outside "
+        "a reduced draft vocabulary from every loss (EAGLE-3's rule)",
+    )
 
     def full_backprop(self, plan: "StagePlan") -> bool:
         """Whether later passes backpropagate into earlier ones (``ttt_backprop``)."""
@@ -211,8 +238,14 @@ class StagePlan(_Frozen):
     feature_loss: bool = True
 
     @classmethod
-    def for_stage(cls, stage: int, variant: Variant, steps: int, lr: float | None = None,
-                  total_steps: int | None = None) -> "StagePlan":
-        return cls(passes=stage, lr=lr or DEFAULT_LR.get(stage, LATER_STAGE_LR), total_steps=total_steps or steps,
-                   topk_loss=stage >= 2 and variant != "eagle3", alignment_mask=variant in ("griffin", "griffin3"),
-                   feature_loss=variant not in MULTI_LAYER_VARIANTS)
+    def for_stage(
+        cls, stage: int, variant: Variant, steps: int, lr: float | None = None, total_steps: int | None = None
+    ) -> "StagePlan":
+        return cls(
+            passes=stage,
+            lr=lr or DEFAULT_LR.get(stage, LATER_STAGE_LR),
+            total_steps=total_steps or steps,
+            topk_loss=stage >= 2 and variant != "eagle3",
+            alignment_mask=variant in ("griffin", "griffin3"),
+            feature_loss=variant not in MULTI_LAYER_VARIANTS,
+        )

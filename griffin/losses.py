@@ -47,8 +47,14 @@ def shift_left(x: Tensor, steps: int = 1) -> Tensor:
     return torch.cat([x[:, steps:], x.new_zeros(x.shape[0], min(steps, x.shape[1]))], dim=1)
 
 
-def shift_batch(features: Tensor, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
-                window: LossWindow = "draft", layer_features: Tensor | None = None) -> ShiftedBatch:
+def shift_batch(
+    features: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor | None = None,
+    window: LossWindow = "draft",
+    layer_features: Tensor | None = None,
+) -> ShiftedBatch:
     """features (B, T, D) the final post-norm features, input_ids / loss_mask / attention_mask (B, T),
     right-padded; ``layer_features`` (B, T, k*D) the k feature layers, the input of a multi-layer
     draft (the final features stay its targets); ``loss_mask``
@@ -86,8 +92,16 @@ def add_feature_noise(features: Tensor, attention_mask: Tensor, scale: float, ge
     return features + (noise - 0.5) * scale * 512 / lengths
 
 
-def pass_losses(draft: GriffinDraft, prediction: Tensor, regression: Tensor, batch: ShiftedBatch,
-                teacher: Tensor, mask: Tensor, topk_loss_k: int, feature_loss: bool = True) -> dict[str, Tensor]:
+def pass_losses(
+    draft: GriffinDraft,
+    prediction: Tensor,
+    regression: Tensor,
+    batch: ShiftedBatch,
+    teacher: Tensor,
+    mask: Tensor,
+    topk_loss_k: int,
+    feature_loss: bool = True,
+) -> dict[str, Tensor]:
     """Feature (SmoothL1, beta 1; only with ``feature_loss``: without it R is not a regression of
     the target feature and the term means nothing), soft token cross-entropy, top-k losses and the
     expected acceptance rate ``alpha`` under ``mask`` (B, T). teacher: (B, T, V) target
@@ -97,8 +111,11 @@ def pass_losses(draft: GriffinDraft, prediction: Tensor, regression: Tensor, bat
     log_q = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (B, T, V)
     token = -(teacher * log_q).sum(-1)  # (B, T)
     top_p, top_idx = teacher.topk(topk_loss_k, dim=-1)  # (B, T, k)
-    terms = {"token": token, "topk": -(top_p * log_q.gather(-1, top_idx)).sum(-1),  # (B, T) each
-             "alpha": torch.minimum(teacher, log_q.exp()).sum(-1)}
+    terms = {
+        "token": token,
+        "topk": -(top_p * log_q.gather(-1, top_idx)).sum(-1),  # (B, T) each
+        "alpha": torch.minimum(teacher, log_q.exp()).sum(-1),
+    }
     if feature_loss:
         terms["value"] = F.smooth_l1_loss(regression.float(), batch.target_features.float(), reduction="none").mean(-1)
     return {name: (x * mask).sum() / norm for name, x in terms.items()}
@@ -180,7 +197,11 @@ def token_alignable_step(
     per-pass values and the fraction of positions kept by the mask."""
     draft = draft if draft is not None else model
     n_passes, full = plan.passes, cfg.full_backprop(plan)
-    inputs = add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator) if model.training else batch.features
+    inputs = (
+        add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator)
+        if model.training
+        else batch.features
+    )
     with torch.no_grad():
         teacher = torch.softmax(draft.target_logits(batch.target_features).float(), dim=-1)  # (B, T, V)
     base = batch.loss_mask

@@ -32,8 +32,11 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, plan: StagePlan) -> torch
     return torch.optim.AdamW(params, lr=plan.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, plan: StagePlan) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, plan: StagePlan
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over ``cfg.warmup_steps``, then linear decay to 0 at ``plan.total_steps``."""
+
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
@@ -68,8 +71,9 @@ def train_step(
     tokens = 0
     for batch in micro_batches:
         with autocast(batch.features.device, bf16):
-            metrics = token_alignable_step(model, batch, cfg, plan, draft=draft, generator=generator,
-                                           target_head=target_head)
+            metrics = token_alignable_step(
+                model, batch, cfg, plan, draft=draft, generator=generator, target_head=target_head
+            )
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value / cfg.grad_accum
         tokens += int(batch.attention_mask.sum())
@@ -82,7 +86,9 @@ def train_step(
 
 
 @torch.no_grad()
-def teacher_ids(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | None = None, bf16: bool = False) -> Tensor:
+def teacher_ids(
+    draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | None = None, bf16: bool = False
+) -> Tensor:
     """The target's greedy next-token ids (B, T) at every position of ``batch``. ``target_head``
     (V_target, D) is the full LM head, so a reduced draft vocabulary is judged against the target's
     real argmax (default: the draft's own head). It depends only on the data: compute it once."""
@@ -94,8 +100,13 @@ def teacher_ids(draft: GriffinDraft, batch: ShiftedBatch, target_head: Tensor | 
 
 @torch.no_grad()
 def acceptance_counts(
-    draft: GriffinDraft, batch: ShiftedBatch, steps: int, target_head: Tensor | None = None, bf16: bool = False,
-    teacher: Tensor | None = None, top_k: int = 1,
+    draft: GriffinDraft,
+    batch: ShiftedBatch,
+    steps: int,
+    target_head: Tensor | None = None,
+    bf16: bool = False,
+    teacher: Tensor | None = None,
+    top_k: int = 1,
 ) -> Tensor:
     """(2, K) float64: row 0 = accepted chains per step, row 1 = chains that reached the step.
     ``teacher``: ``teacher_ids(draft, batch, target_head, bf16)`` when already computed.

@@ -384,8 +384,11 @@ def _unknown_key(loc: tuple) -> str:
     (e.g. train.token_loss -> train.method.token_loss)."""
     where, model = ".".join(str(p) for p in loc), _model_at(loc)
     message = f"unknown key {where!r} (allowed: {', '.join(model.model_fields) if model else ''})"
-    homes = [f"{'.'.join(str(p) for p in loc[:-1])}.{name}.{loc[-1]}" for name, field in (model.model_fields.items()
-             if model else ()) if (sub := _submodel(field.annotation)) and loc[-1] in sub.model_fields]
+    homes = [
+        f"{'.'.join(str(p) for p in loc[:-1])}.{name}.{loc[-1]}"
+        for name, field in (model.model_fields.items() if model else ())
+        if (sub := _submodel(field.annotation)) and loc[-1] in sub.model_fields
+    ]
     return message + (f"; did you mean {homes[0]!r}?" if homes else "")
 
 

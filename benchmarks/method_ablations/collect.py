@@ -35,8 +35,9 @@ HALF_STEP = 200
 def held_out(run: str) -> dict[str, float]:
     """{"stage 1": score, "stage 3": score} of the run's completed stages."""
     stages = sorted((ROOT / "outputs" / f"smollm2-abl-{run}" / "train").glob("stage*/_complete.json"))
-    return {f"stage {json.loads(p.read_text())['stage']}": json.loads(p.read_text())["best_metrics"][SCORE]
-            for p in stages}
+    return {
+        f"stage {json.loads(p.read_text())['stage']}": json.loads(p.read_text())["best_metrics"][SCORE] for p in stages
+    }
 
 
 def score_at(run: str, stage: int, step: int) -> float | None:
@@ -67,34 +68,58 @@ def decode_rows(report: dict) -> tuple[dict, list[str]]:
                 continue
             speedup = method["tokens_per_s_median"] / vanilla
             result.setdefault(key, {})[label] = {
-                "tau": method["tau"], "per_position_acceptance": method["per_position_acceptance"],
-                "tokens_per_s": method["tokens_per_s_median"], "speedup_vs_vanilla": speedup}
-            rows.append(f"| {key} | {label} | {method['tau']:.2f} | "
-                        f"{' / '.join(f'{a:.2f}' for a in method['per_position_acceptance'])} | "
-                        f"{method['tokens_per_s_median']:.1f} | {speedup:.2f}x |")
+                "tau": method["tau"],
+                "per_position_acceptance": method["per_position_acceptance"],
+                "tokens_per_s": method["tokens_per_s_median"],
+                "speedup_vs_vanilla": speedup,
+            }
+            rows.append(
+                f"| {key} | {label} | {method['tau']:.2f} | "
+                f"{' / '.join(f'{a:.2f}' for a in method['per_position_acceptance'])} | "
+                f"{method['tokens_per_s_median']:.1f} | {speedup:.2f}x |"
+            )
     return result, rows
 
 
 def main() -> None:
     runs = {run: held_out(run) for run in [*VARIANTS, *ABLATIONS]}
-    lines = ["# Method ablations on SmolLM2-135M-Instruct (`benchmarks/method_ablations/run.sh`)", "",
-             f"Machine: {platform.processor() or platform.machine()}, 2 cores (bf16 training). Held-out expected "
-             "accepted tokens (`eval/sim_accept_len`, 5-step greedy chains on the store's held-out 5%; the best "
-             "checkpoint of each stage).", "", "## Variants at equal budget", "",
-             "| variant | stage 1 | stage 3 |", "|---|---:|---:|"]
+    lines = [
+        "# Method ablations on SmolLM2-135M-Instruct (`benchmarks/method_ablations/run.sh`)",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, 2 cores (bf16 training). Held-out expected "
+        "accepted tokens (`eval/sim_accept_len`, 5-step greedy chains on the store's held-out 5%; the best "
+        "checkpoint of each stage).",
+        "",
+        "## Variants at equal budget",
+        "",
+        "| variant | stage 1 | stage 3 |",
+        "|---|---:|---:|",
+    ]
     for run, name in VARIANTS.items():
         scores = runs[run]
-        lines.append(f"| {name} | {scores.get('stage 1', float('nan')):.3f} | {scores.get('stage 3', float('nan')):.3f} |")
-    lines += ["", "## Ablations (best of stage 3 against the baseline's, or at step 200 of stage 1 where noted)", "",
-              "| run | what changed | run | baseline | ratio |", "|---|---|---:|---:|---:|"]
+        lines.append(
+            f"| {name} | {scores.get('stage 1', float('nan')):.3f} | {scores.get('stage 3', float('nan')):.3f} |"
+        )
+    lines += [
+        "",
+        "## Ablations (best of stage 3 against the baseline's, or at step 200 of stage 1 where noted)",
+        "",
+        "| run | what changed | run | baseline | ratio |",
+        "|---|---|---:|---:|---:|",
+    ]
     comparisons = {}
     for run, (what, base) in ABLATIONS.items():
         mine, theirs = compared(run, base)
         if mine is None or theirs is None:
             lines.append(f"| {run} | {what} | not run | | |")
             continue
-        comparisons[run] = {"what": what, "baseline": base, "score": mine, "baseline_score": theirs,
-                            "ratio": mine / theirs}
+        comparisons[run] = {
+            "what": what,
+            "baseline": base,
+            "score": mine,
+            "baseline_score": theirs,
+            "ratio": mine / theirs,
+        }
         lines.append(f"| {run} | {what} | {mine:.3f} | {theirs:.3f} | {mine / theirs:.3f}x |")
     result = {"held_out": runs, "ablations": comparisons}
     report_path = ROOT / "outputs" / "smollm2-abl-g-kl" / "eval" / "report.json"
@@ -104,10 +129,15 @@ def main() -> None:
         shutil.copy(report_path.with_suffix(".md"), HERE / "report.md")
         result["tree"], (result["decode"], rows) = report["tree"], decode_rows(report)
         tree = report["tree"]
-        lines += ["", f"## Decoding, tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}, interleaved in one "
-                  "process, medians (`report.md` beside this file)", "",
-                  "| dataset / T | draft | τ | per-position acceptance | tokens/s | vs vanilla |",
-                  "|---|---|---:|---|---:|---:|", *rows]
+        lines += [
+            "",
+            f"## Decoding, tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}, interleaved in one "
+            "process, medians (`report.md` beside this file)",
+            "",
+            "| dataset / T | draft | τ | per-position acceptance | tokens/s | vs vanilla |",
+            "|---|---|---:|---|---:|---:|",
+            *rows,
+        ]
     (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -52,9 +52,15 @@ def test_a_method_key_one_level_too_high_names_its_home():
     """The loss options live in train.method; train.token_loss says so instead of only refusing."""
     with pytest.raises(ValueError, match=r"unknown key 'train.token_loss'.*did you mean 'train.method.token_loss'"):
         load_config("jobs/configs/tiny.yaml", ["train.token_loss=lk_hybrid"])
-    cfg = load_config("jobs/configs/tiny.yaml", ["train.method.token_loss=lk_hybrid", "train.method.ttt_backprop=full",
-                                                 "draft.vocab_from=reply"])
-    assert (cfg.train.method.token_loss, cfg.train.method.ttt_backprop, cfg.draft.vocab_from) == ("lk_hybrid", "full", "reply")
+    cfg = load_config(
+        "jobs/configs/tiny.yaml",
+        ["train.method.token_loss=lk_hybrid", "train.method.ttt_backprop=full", "draft.vocab_from=reply"],
+    )
+    assert (cfg.train.method.token_loss, cfg.train.method.ttt_backprop, cfg.draft.vocab_from) == (
+        "lk_hybrid",
+        "full",
+        "reply",
+    )
     with pytest.raises(ValueError, match="unknown key 'train.bogus'") as error:
         load_config("jobs/configs/tiny.yaml", ["train.bogus=1"])
     assert "did you mean" not in str(error.value)
