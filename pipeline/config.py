@@ -359,37 +359,23 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
     node[parts[-1]] = yaml.safe_load(value)  # a YAML scalar or list: 'true', '3', '1e-4', '[1, 2]', 'null'
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The model that holds ``loc``'s last part, e.g. ("train", "token_loss") -> TrainSection."""
-    model: Any = RunConfig
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue  # a list item: its model was picked at the list's key
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        model = _submodel(field.annotation)
-        if model is None:
-            return None
-    return model
-
-
 def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model in an annotation (``X``, ``X | None``, ``list[X]``), else None."""
     candidates = [annotation, *getattr(annotation, "__args__", ())]
     return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
 
 def _unknown_key(loc: tuple) -> str:
-    """'unknown key' with the allowed keys, and where the key lives when a subsection has it
-    (e.g. train.token_loss -> train.method.token_loss)."""
-    where, model = ".".join(str(p) for p in loc), _model_at(loc)
-    message = f"unknown key {where!r} (allowed: {', '.join(model.model_fields) if model else ''})"
-    homes = [
-        f"{'.'.join(str(p) for p in loc[:-1])}.{name}.{loc[-1]}"
-        for name, field in (model.model_fields.items() if model else ())
-        if (sub := _submodel(field.annotation)) and loc[-1] in sub.model_fields
-    ]
-    return message + (f"; did you mean {homes[0]!r}?" if homes else "")
+    """'unknown key' with the allowed keys, and where a subsection holds the key, e.g.
+    ("train", "token_loss") -> "... did you mean 'train.method.token_loss'?"."""
+    model: Any = RunConfig
+    for part in (p for p in loc[:-1] if not isinstance(p, int)):  # a list item's model is the list's
+        field = model.model_fields.get(part) if model else None
+        model = _submodel(field.annotation) if field else None
+    fields, where = (model.model_fields if model else {}), ".".join(str(p) for p in loc[:-1])
+    homes = [name for name, f in fields.items() if (sub := _submodel(f.annotation)) and loc[-1] in sub.model_fields]
+    hint = f"; did you mean {f'{where}.{homes[0]}.{loc[-1]}'!r}?" if homes else ""
+    return f"unknown key {f'{where}.{loc[-1]}'.lstrip('.')!r} (allowed: {', '.join(fields)}){hint}"
 
 
 def _explain(error: ValidationError) -> str:
