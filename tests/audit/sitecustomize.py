@@ -12,7 +12,20 @@ _REPO = os.environ.get("GRIFFIN_AUDIT_REPO")
 _TMP = os.path.realpath(tempfile.gettempdir())
 # What the tests and the libraries they run create in the temp folder: scratch, never a user's files.
 # It matters when the checkout itself sits in the temp folder (git clone into /tmp/x).
-SCRATCH = ("pytest-of-", "tmp", "ray", "griffin-", "torchinductor_", "mlflow", "hf_", "mmap", "pymp-", "pip-", ".")
+SCRATCH = (
+    "pytest-of-",
+    "tmp",
+    "ray",
+    "griffin-",
+    "torchinductor_",
+    "mlflow",
+    "hf_",
+    "mmap",
+    "pymp-",
+    "pip-",
+    ".",
+    "pytorch-errorfile-",
+)  # the last: torch.multiprocessing.spawn's per-child error files
 GIT_PROBES = ("HEAD", "commondir")  # a git repository search walking up from a Ray job's working_dir copy
 
 
