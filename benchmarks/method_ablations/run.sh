@@ -13,8 +13,9 @@
 # their baseline's stage 1 and differ only in stage 3.) g-reply and e3-oov run the first 200 of the
 # baseline's 400 stage-1 steps, with the same learning-rate schedule (its decay set to 400 steps), and
 # are compared with the baseline's held-out score at step 200. Every run resumes or is skipped when done.
-# Then one interleaved in-process evaluation decodes the GRIFFIN, EAGLE-3 and GRIFFIN-3 drafts with KL
-# and the LK ones against vanilla decoding. benchmarks/method_ablations/collect.py writes the tables.
+# Then one interleaved in-process evaluation decodes the GRIFFIN and EAGLE-3 drafts with KL and with
+# LK-hybrid against vanilla decoding (10 MT-Bench questions x 2 turns + 10 HumanEval, T=0 and T=1,
+# 64 tokens, the shipped draft's tree 12/3/10). benchmarks/method_ablations/collect.py writes the tables.
 #
 #   benchmarks/method_ablations/run.sh [RUN ...|eval]     (no argument: every run, then the evaluation)
 set -euo pipefail
@@ -56,8 +57,9 @@ train() {
 evaluate() {  # GRIFFIN (KL) is the main draft; the others ride along, interleaved in one process
   $G eval -c "$CFG" run_name=smollm2-abl-g-kl --draft "$(out g-kl)/train/best" \
     "eval.extra_drafts={griffin_lk: '$(out g-lk)/train/best', eagle3: '$(out e3)/train/best', \
-eagle3_lk: '$(out e3-lk)/train/best', griffin3: '$(out g3)/train/best'}" \
-    eval.num_questions=10 "eval.temperatures=[0.0, 1.0]" eval.max_new_tokens=96 "eval.baselines=[vanilla]" "$@"
+eagle3_lk: '$(out e3-lk)/train/best'}" \
+    eval.num_questions=10 "eval.temperatures=[0.0, 1.0]" eval.max_new_tokens=64 "eval.baselines=[vanilla]" \
+    eval.tree.total_tokens=12 eval.tree.depth=3 eval.tree.top_k=10 "$@"
 }
 
 RUNS=(g-kl e3 g3 g-lk e3-lk e3-perpass g3-perpass g-pw08 g-reply e3-oov e3-pw08)
