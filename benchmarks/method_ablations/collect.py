@@ -9,8 +9,8 @@ evaluation's τ, per-position acceptance and speedup (outputs/smollm2-abl-g-kl/e
 from __future__ import annotations
 
 import json
-import platform
 import shutil
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +30,14 @@ ABLATIONS = {
 VARIANTS = {"g-kl": "GRIFFIN", "e3": "EAGLE-3", "g3": "GRIFFIN-3"}
 HALF_BUDGET = {"g-reply", "e3-oov"}  # the first 200 of the baseline's 400 stage-1 steps, same LR schedule
 HALF_STEP = 200
+
+
+def machine() -> str:
+    """The CPU model and vector ISA (what decides these figures), e.g. "AMD EPYC, AVX512, 2 CPUs"."""
+    from pipeline.evaluate.report import machine_identity
+
+    m = machine_identity()
+    return f"{m.get('cpu_model') or m.get('processor')}, {m.get('cpu_capability')}, {m.get('cpu_count')} CPUs"
 
 
 def held_out(run: str) -> dict[str, float]:
@@ -86,7 +94,7 @@ def main() -> None:
     lines = [
         "# Method ablations on SmolLM2-135M-Instruct (`benchmarks/method_ablations/run.sh`)",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, 2 cores (bf16 training). Held-out expected "
+        f"Machine: {machine()}, bf16 training, {date.today()}. Held-out expected "
         "accepted tokens (`eval/sim_accept_len`, 5-step greedy chains on the store's held-out 5%; the best "
         "checkpoint of each stage).",
         "",
