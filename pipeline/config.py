@@ -137,6 +137,11 @@ class TrainSection(Section):
     schedule: list[StageSection] = Field(default_factory=lambda: [StageSection(stage=1, steps=100)])
     method: TrainConfig = Field(default_factory=TrainConfig, description="loss / optimizer hyper-parameters")
     init_from: str | None = Field(default=None, description="draft directory the first stage starts from")
+    features: Literal["offline", "online"] = Field(
+        default="offline",
+        description="offline: read the feature store; online: the featurize stage's target actors compute "
+        "the features as training reads them (nothing is stored; the target runs every epoch)",
+    )
     num_workers: int = Field(default=1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0)

@@ -50,7 +50,7 @@ from griffin.training import make_optimizer, make_scheduler, train_step  # noqa:
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.store import iter_rows, part_files  # noqa: E402
 from pipeline.resources.targets import load_target  # noqa: E402
-from pipeline.train.batches import reduced_vocabulary, shifted_batches  # noqa: E402
+from pipeline.train.batches import reduced_vocabulary, shifted_batches, store_tokens  # noqa: E402
 
 OUT = Path(__file__).parent
 BASE_CONFIG = "jobs/configs/smollm2-quick.yaml"
@@ -592,7 +592,7 @@ def main() -> None:
     target = load_target(cfg.target)
     V = target.vocab_size
     batches = load_batches(cfg.store_path, args.batch_tokens, target.hidden_size)
-    d2t = reduced_vocabulary(cfg.store_path, args.reduced_vocab, V, exclude=set())
+    d2t = reduced_vocabulary(store_tokens(cfg.store_path), args.reduced_vocab, V, exclude=set())
     print(f"{len(batches)} batches; real tokens {[int(b.attention_mask.sum()) for b in batches]}", flush=True)
 
     trainers = {
@@ -660,9 +660,9 @@ def main() -> None:
 
 def coverage(store: str, d2t: torch.Tensor) -> float:
     """Fraction of the store's tokens that the reduced vocabulary contains."""
-    from pipeline.train.batches import token_frequencies
+    from pipeline.train.batches import store_tokens, token_frequencies
 
-    counts = token_frequencies(store, set())
+    counts = token_frequencies(store_tokens(store), set())
     keep = set(d2t.tolist())
     return sum(c for t, c in counts.items() if t in keep) / max(1, sum(counts.values()))
 

@@ -25,7 +25,7 @@ from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
 from pipeline.data.parts import PartActor, PartProgress, injected_failure, run_part_actors
-from pipeline.data.sources import Ledger, Sample, SkipSample, build_sample, load_conversations
+from pipeline.data.sources import Ledger, Sample, load_conversations
 from pipeline.resources.targets import feature_layers, load_target, target_fingerprint
 from pipeline.data.store import (
     ACTOR_REASONS,
@@ -154,32 +154,53 @@ class PartWriter(PartActor):
 
     def write(self, batch: dict[str, np.ndarray], i: int) -> dict[str, Any]:
         name = self.next_part()
-        cuts = np.cumsum(batch["lengths"][i])[:-1]  # flat tokens -> one array per conversation
-        part = {
-            "sample_id": np.asarray(batch["sample_id"][i]),
-            "input_ids": _objects(np.split(batch["input_ids"][i], cuts)),
-            "loss_mask": _objects(np.split(batch["loss_mask"][i], cuts)),
-        }
-        rows = self.featurizer(part)
+        table, rows = featurize_part(self.featurizer, unpack_part(batch, i), self.dtype)
         ok = rows["error"] == ""
         skipped = [
             {"sample_id": s, "reason": e, "where": "featurize", "detail": "NaN/inf in the target's features"}
             for s, e in zip(rows["sample_id"][~ok], rows["error"][~ok])
         ]
         entry = None
-        if ok.any():
-            table = part_table(
-                {k: v[ok] for k, v in rows.items()},
-                self.dtype,
-                self.featurizer.target.hidden_size,
-                self.featurizer.layers,
-            )
+        if table.num_rows:
             entry = write_part(self.store, name, table)
             entry["node"] = _node_id()  # where it ran: placement is auditable on a cluster
         return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
 
 
-def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0) -> list[dict[str, Any]]:
+class PartFeatures(PartActor):
+    """Online training's Ray Data actor: one planned part per call -> the part's rows with their
+    features, the table a part file would hold (nothing is written). Rows with non-finite features
+    are dropped, as featurize drops them from the store."""
+
+    def __init__(self, target: dict[str, Any], dtype: str, batch_tokens: int, fingerprint: dict, layers=()):
+        self.featurizer = Featurizer(target, dtype, batch_tokens, tuple(layers))
+        super().__init__(target_fingerprint(self.featurizer.target), fingerprint, None)
+        self.dtype = dtype
+
+    def __call__(self, batch: dict[str, np.ndarray]):
+        assert len(batch["lengths"]) == 1, "one part per call (batch_size=1): a part is one block"
+        return featurize_part(self.featurizer, unpack_part(batch, 0), self.dtype)[0]
+
+
+def unpack_part(batch: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """Planned part ``i`` of an actor's batch (flat tokens + lengths) -> columns of (B,) rows."""
+    cuts = np.cumsum(batch["lengths"][i])[:-1]  # flat tokens -> one array per conversation
+    return {
+        "sample_id": np.asarray(batch["sample_id"][i]),
+        "input_ids": _objects(np.split(batch["input_ids"][i], cuts)),
+        "loss_mask": _objects(np.split(batch["loss_mask"][i], cuts)),
+    }
+
+
+def featurize_part(featurizer: Featurizer, part: dict[str, np.ndarray], dtype: str):
+    """A part's rows through the target -> (the table of its finite rows, the featurizer's rows)."""
+    rows = featurizer(part)
+    ok = rows["error"] == ""
+    table = part_table({k: v[ok] for k, v in rows.items()}, dtype, featurizer.target.hidden_size, featurizer.layers)
+    return table, rows
+
+
+def group_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0) -> list[list[Sample]]:
     """Length-sorted runs of samples (little padding), each at most ``file_rows`` rows and
     ``PART_BYTES`` of features, and at least ``PARTS_PER_ACTOR`` per actor, so every actor gets
     work, progress shows often and a kill loses little. Parts go out in a seeded random order:
@@ -197,22 +218,27 @@ def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: 
         current.append(sample)
         tokens += len(sample.input_ids)
     parts += [current] if current else []
-    items = [
-        {
-            "sample_id": [s.sample_id for s in part],
-            "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
-            "input_ids": np.concatenate([s.input_ids for s in part]),
-            "loss_mask": np.concatenate([s.loss_mask for s in part]),
-        }
-        for part in parts
-    ]
-    order = np.random.default_rng(cfg.data.shuffle_seed or 0).permutation(len(items))
-    return [items[i] for i in order]
+    order = np.random.default_rng(cfg.data.shuffle_seed or 0).permutation(len(parts))
+    return [parts[i] for i in order]
 
 
-def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
-    """Capture key, tokenized samples and the ledger; the driver's copy of the target ends here."""
-    target = load_target(cfg.target)
+def pack_part(part: list[Sample]) -> dict[str, Any]:
+    """A part as one actor input row: its sample ids, lengths and the concatenated tokens and masks."""
+    return {
+        "sample_id": [s.sample_id for s in part],
+        "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
+        "input_ids": np.concatenate([s.input_ids for s in part]),
+        "loss_mask": np.concatenate([s.loss_mask for s in part]),
+    }
+
+
+def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0) -> list[dict[str, Any]]:
+    """``group_parts``, packed for the actors."""
+    return [pack_part(part) for part in group_parts(samples, cfg, hidden_size, layers)]
+
+
+def capture_key(cfg: RunConfig, target) -> dict[str, Any]:
+    """What every stored row depends on: the target's fingerprint and how its features were taken."""
     key = {
         **target_fingerprint(target),
         "layer": LAYER,
@@ -223,19 +249,31 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     }  # both change every row
     if layers := feature_layers(cfg, target):  # absent without: stores from before feature layers keep their key
         key["feature_layers"] = list(layers)
-    ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
-    for conversation in load_conversations(cfg.training_data, ledger):
-        try:
-            samples.append(build_sample(conversation, target.tokenizer, cfg.data.max_len, end_ids))
-        except SkipSample as skip:
-            ledger.add(conversation.sample_id, skip.reason, conversation.where, skip.detail)
+    return key
+
+
+def target_part(key: dict[str, Any]) -> dict[str, Any]:
+    """The target fingerprint within a capture key: what every actor's own target load must match."""
+    capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers")
+    return {k: v for k, v in key.items() if k not in capture}
+
+
+def prepare_samples(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
+    """Capture key, tokenized samples and the ledger; the driver's copy of the target ends here.
+    Tokenizing runs on Ray Data (``pipeline.data.tokenize``), spread over the cluster's CPUs."""
+    from pipeline.data.tokenize import tokenize_conversations
+
+    target = load_target(cfg.target)
+    key, ledger = capture_key(cfg, target), Ledger()
+    conversations = load_conversations(cfg.training_data, ledger)
+    ensure_ray(cfg)
+    samples = tokenize_conversations(conversations, target.tokenizer, cfg.data.max_len, target.stop_token_ids, ledger)
     return key, samples, ledger
 
 
 def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dict, progress: PartProgress) -> None:
     ensure_ray(cfg)
-    capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers")
-    fingerprint = {k: key[k] for k in key if k not in capture}
+    fingerprint = target_part(key)
     run_part_actors(
         cfg,
         PartWriter,
@@ -272,7 +310,7 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
     if verify is not None:
         return _verify(verify)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    key, samples, ledger = _prepare(cfg)
+    key, samples, ledger = prepare_samples(cfg)
     manifest, done = open_for_writing(cfg.store_path, key, cfg.resolved())
     carried = [s for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS]
     manifest["skipped"], manifest["selected"] = ledger.entries + carried, len(samples)

@@ -110,16 +110,7 @@ def run_part_actors(
     # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
     # hanging, when the cluster cannot place the pool.
     ray.data.DataContext.get_current().wait_for_min_actors_s = 600
-    # one block per part: each part is its own actor call, so finished parts stream back one by one
-    dataset = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
-        actor,
-        batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
-        num_cpus=cfg.features.cpus_per_actor,
-        num_gpus=cfg.features.gpus_per_actor or None,
-        resources=cfg.features.resources or None,
-        fn_constructor_kwargs=constructor_kwargs,
-    )
+    dataset = part_actor_dataset(cfg, actor, parts, constructor_kwargs)
     try:
         for row in dataset.iter_rows():
             result = json.loads(row["entry"])
@@ -133,6 +124,23 @@ def run_part_actors(
             f"{what} stopped ({root_cause(error)}); finished parts are kept in {location}: rerun "
             "the same command to resume"
         ) from error
+
+
+def part_actor_dataset(cfg: RunConfig, actor: type, parts: list[dict], constructor_kwargs: dict[str, Any]):
+    """``parts`` through a pool of ``features.num_actors`` ``actor``s with featurize's resources, one
+    block and one actor call per part (so finished parts stream back one by one, and a part is a block
+    of its own wherever the result goes)."""
+    import ray
+
+    return ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+        actor,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
+        num_cpus=cfg.features.cpus_per_actor,
+        num_gpus=cfg.features.gpus_per_actor or None,
+        resources=cfg.features.resources or None,
+        fn_constructor_kwargs=constructor_kwargs,
+    )
 
 
 def root_cause(error: BaseException) -> str:

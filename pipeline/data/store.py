@@ -352,6 +352,12 @@ def _rows(batch: pa.RecordBatch) -> Iterator[dict[str, Any]]:
         }
 
 
+def table_rows(table: pa.Table) -> Iterator[dict[str, Any]]:
+    """Rows of an Arrow table (a Ray Data block) as ``_rows`` gives them."""
+    for batch in table.combine_chunks().to_batches():
+        yield from _rows(batch)
+
+
 def _binary(column: pa.Array) -> tuple[np.ndarray, pa.Buffer]:
     """A large_binary column's offsets and data buffer (zero-copy)."""
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int64)[column.offset : column.offset + len(column) + 1]

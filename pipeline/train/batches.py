@@ -1,15 +1,19 @@
-"""Deterministic data for Ray Train workers: held-out split, per-rank row streams, reduced vocab.
+"""The data a training stage reads: held-out split, reduced vocabulary, and each worker's feed.
 
-Exact resume needs every worker to see the same rows in the same order on every attempt, so the
-order is fixed here rather than by a scheduler: each worker streams the store's part files (pyarrow,
-any filesystem URI) in manifest order, shuffles within windows with a seeded RNG per epoch, and keeps
-every ``world``-th train row starting at its rank (disjoint shards of equal size ±1). A data
-position is the number of rows this rank has consumed since the start of the stage.
+Each Ray Train worker reads its shard of the stage's Ray Data datasets (``pipeline.train.feed``:
+``streaming_split(world, equal=True)``, so a rank reads ~1/world of the rows). ``ShardFeed`` turns a
+shard into micro-batches:
 
-Why not ``ray.train.get_dataset_shard``: its streaming split hands blocks to whichever worker asks
-first (no reproducible order, so no exact resume), and on this 2-core machine each epoch's Ray Data
-pipeline start-up cost ~10 s. Reading the Parquet parts directly costs every worker a read of the
-split's metadata and of the rows it drops, which at ShareGPT scale is small next to training.
+- **Lockstep.** Every rank takes the same number of rows per micro-batch: each proposes how many of
+  its next rows fit ``batch_tokens`` (B * T_max), and all take the smallest proposal (one integer
+  all-reduce). Ranks hold equal row counts per epoch (the equal split), so they reach the end of an
+  epoch at the same micro-batch and start the next one together: Ray Data starts an epoch only when
+  every split asks for it, and a rank that ran ahead would wait there while the others wait for its
+  gradients.
+- **Deterministic.** The datasets run with ``preserve_order``: the same blocks reach the same rank in
+  the same order on every attempt, and each rank shuffles its rows within windows with a seed of
+  (seed, epoch, rank). A data position is (epoch, rows taken in it), the same on every rank, so a
+  resumed stage skips exactly the rows it had trained on.
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ import hashlib
 import math
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pyarrow.parquet as pq
 import torch
 
 from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
-from pipeline.data.store import iter_rows, pad_batches, part_files
+from pipeline.data.store import iter_rows, pad_batches, part_files, table_rows
 
 SHUFFLE_WINDOW = 256
 
@@ -34,70 +39,65 @@ def _hash(sample_id: str) -> int:
     return int(hashlib.sha256(str(sample_id).encode()).hexdigest()[:12], 16)
 
 
-def eval_split(store: str, fraction: float) -> set[str]:
-    """Held-out sample ids: the ``ceil(fraction * n)`` ids with the smallest hash (stable as the
-    store grows, never empty when fraction > 0)."""
-    ids = [sid for f in part_files(store) for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
+def held_out_ids(ids: list[str], fraction: float) -> set[str]:
+    """Held-out sample ids: the ``ceil(fraction * n)`` ids with the smallest hash (stable as the data
+    grows, never empty when fraction > 0, never all of them)."""
     if fraction <= 0 or not ids:
         return set()
     n_eval = min(len(ids) - 1, max(1, math.ceil(fraction * len(ids))))
     return set(sorted(ids, key=_hash)[:n_eval])
 
 
-def token_frequencies(store: str, exclude: set[str], reply_only: bool = False) -> Counter:
-    """Token counts over the training split; ``reply_only``: only the reply tokens (loss mask 1),
-    the tokens a draft ever proposes, as EAGLE-3 and SpecForge count them."""
-    counts: Counter = Counter()
+def store_sample_ids(store: str) -> list[str]:
+    """The sample ids of a feature store's rows (reads only that column)."""
+    return [sid for f in part_files(store) for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
+
+
+def eval_split(store: str, fraction: float) -> set[str]:
+    """``held_out_ids`` of a feature store's rows."""
+    return held_out_ids(store_sample_ids(store), fraction)
+
+
+def store_tokens(store: str) -> Iterator[tuple[str, list[int], list[int]]]:
+    """(sample id, input ids, loss mask) of every stored row, without the features."""
     for f in part_files(store):
         table = pq.read_table(f, columns=["sample_id", "input_ids", "loss_mask"])
-        for sid, ids, mask in zip(*(table.column(i).to_pylist() for i in range(3))):
-            if sid not in exclude:
-                counts.update(ids if not reply_only else [t for t, m in zip(ids, mask) if m])
+        yield from zip(*(table.column(i).to_pylist() for i in range(3)))
+
+
+def token_frequencies(records: Iterable[tuple[str, Any, Any]], exclude: set[str], reply_only: bool = False) -> Counter:
+    """Token counts over (sample id, ids, mask) records not in ``exclude``; ``reply_only``: only the
+    reply tokens (loss mask 1), the tokens a draft ever proposes, as EAGLE-3 and SpecForge count them."""
+    counts: Counter = Counter()
+    for sid, ids, mask in records:
+        if sid not in exclude:
+            counts.update(ids if not reply_only else [t for t, m in zip(ids, mask) if m])
     return counts
 
 
 def reduced_vocabulary(
-    store: str, size: int, vocab_size: int, exclude: set[str], reply_only: bool = False
+    records: Iterable[tuple[str, Any, Any]], size: int, vocab_size: int, exclude: set[str], reply_only: bool = False
 ) -> torch.Tensor:
-    """The ``size`` most frequent target ids of the training split (all tokens, or only reply
+    """The ``size`` most frequent target ids of the training records (all tokens, or only reply
     tokens), ties by id, sorted by id; rarely-seen ids fill up the rest when the data has fewer
     distinct tokens (EAGLE-3's d2t)."""
     if size > vocab_size:
         raise ValueError(f"draft.draft_vocab_size={size} exceeds the target vocabulary ({vocab_size})")
-    counts = token_frequencies(store, exclude, reply_only)
-    ranked = sorted(range(vocab_size), key=lambda i: (-counts.get(i, 0), i))
+    counts = token_frequencies(records, exclude, reply_only)
+    ranked = sorted(range(vocab_size), key=lambda i: (-counts.get(int(i), 0), i))
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
 def split_rows(files: list[str], ids: set[str], keep: bool, layers: bool = False) -> Iterator[dict]:
-    """Rows whose sample id is in ``ids`` (keep=True) or not (keep=False); ``layers``: with the
-    feature-layer columns."""
+    """Stored rows whose sample id is in ``ids`` (keep=True) or not (keep=False), read on this process
+    (benchmarks; training reads through Ray Data); ``layers``: with the feature-layer columns."""
     return (row for row in iter_rows(files, layers) if (row["sample_id"] in ids) == keep)
 
 
-def rank_rows(
-    files: list[str], exclude: set[str], rank: int, world: int, seed: int, skip: int, layers: bool = False
-) -> Iterator[dict]:
-    """This rank's endless stream of train rows (epoch after epoch), after skipping ``skip`` rows."""
-    epoch, seen = 0, 0
-    while True:
-        window: list[dict] = []
-        rng = random.Random(f"{seed}-{epoch}")
-        index = 0
-        emitted = False
-        for row in _windowed_shuffle(split_rows(files, exclude, keep=False, layers=layers), rng, window):
-            if index % world == rank:
-                emitted = True
-                if seen >= skip:
-                    yield {**row, "epoch": epoch}
-                seen += 1
-            index += 1
-        if not emitted:
-            raise ValueError(f"rank {rank} of {world} got no training rows: the store's train split is too small")
-        epoch += 1
-
-
-def _windowed_shuffle(rows, rng: random.Random, window: list[dict]) -> Iterator[dict]:
+def windowed_shuffle(rows: Iterable[dict], rng: random.Random) -> Iterator[dict]:
+    """``rows`` shuffled within consecutive windows of ``SHUFFLE_WINDOW``: the store's parts are
+    length-sorted runs, so a window mixes rows of similar length (little padding)."""
+    window: list[dict] = []
     for row in rows:
         window.append(row)
         if len(window) == SHUFFLE_WINDOW:
@@ -106,27 +106,86 @@ def _windowed_shuffle(rows, rng: random.Random, window: list[dict]) -> Iterator[
             window.clear()
     rng.shuffle(window)
     yield from window
-    window.clear()
+
+
+def shard_rows(shard, block_bytes: list[int]) -> Iterator[dict]:
+    """One epoch of a Ray Data shard as rows (views on its Arrow blocks); appends each block's bytes to
+    ``block_bytes`` as it arrives (what this rank read)."""
+    for table in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+        block_bytes.append(table.nbytes)
+        yield from table_rows(table)
+
+
+class ShardFeed:
+    """This rank's training rows, epoch after epoch, as lists of rows that fit ``batch_tokens``, the
+    same number of rows on every rank (module docstring). ``epoch``, ``taken``: where to resume."""
+
+    def __init__(self, shard, rank: int, world: int, seed: int, batch_tokens: int, device, epoch=0, taken=0):
+        self.shard, self.rank, self.world, self.seed = shard, rank, world, seed
+        self.batch_tokens, self.device = batch_tokens, device
+        self.epoch, self.taken = epoch, taken
+        self.block_bytes: list[int] = []  # bytes of every block this rank received, this attempt
+        self._start_epoch(skip=taken)
+
+    def _start_epoch(self, skip: int) -> None:
+        rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}")
+        self._rows = windowed_shuffle(shard_rows(self.shard, self.block_bytes), rng)
+        self._ahead: list[dict] = []
+        for _ in range(skip):  # rows the interrupted attempt trained on in this epoch
+            if next(self._rows, None) is None:
+                raise ValueError(f"resume position {skip} is past the end of epoch {self.epoch}'s rows")
+
+    def _fitting(self) -> int:
+        """How many of the next rows fit the budget (a row longer than the budget goes alone); 0 when
+        this epoch's rows are used up."""
+        n, longest = 0, 0
+        while True:
+            if n == len(self._ahead):
+                row = next(self._rows, None)
+                if row is None:
+                    return n
+                self._ahead.append(row)
+            length = int(self._ahead[n]["seq_len"])
+            if n and (n + 1) * max(longest, length) > self.batch_tokens:
+                return n
+            longest, n = max(longest, length), n + 1
+
+    def _agree(self, count: int) -> int:
+        if self.world == 1:
+            return count
+        agreed = torch.tensor([count], device=self.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        return int(agreed.item())
+
+    def take(self) -> tuple[list[dict], int]:
+        """The next micro-batch's rows and the epoch they belong to."""
+        count = self._agree(self._fitting())
+        if count == 0:  # every rank's share of this epoch is used up, at the same micro-batch
+            if self.taken == 0:
+                raise ValueError(
+                    f"rank {self.rank} of {self.world} got no training rows: the store's train split is too "
+                    "small for this many workers"
+                )
+            self.epoch, self.taken = self.epoch + 1, 0
+            self._start_epoch(skip=0)
+            return self.take()
+        rows, self._ahead = self._ahead[:count], self._ahead[count:]
+        self.taken += count
+        return rows, self.epoch
 
 
 def shifted_batches(
-    rows: Iterator[dict],
+    rows: Iterable[dict],
     batch_tokens: int,
     hidden_size: int,
     device,
     window: LossWindow = "draft",
     layers: bool = False,
+    epoch: int = 0,
 ) -> Iterator[tuple[ShiftedBatch, list[str]]]:
     """Padded, shifted training batches and the "<epoch>:<sample id>" of each row in them; with
     ``layers`` the batches' inputs are the rows' feature layers (a multi-layer draft's)."""
-    epochs: dict[str, int] = {}
-
-    def remember(stream):
-        for row in stream:
-            epochs[row["sample_id"]] = row.get("epoch", 0)
-            yield row
-
-    for batch in pad_batches(remember(rows), batch_tokens, hidden_size, layers):
+    for batch in pad_batches(rows, batch_tokens, hidden_size, layers):
         shifted = shift_batch(
             batch["features"].to(device),
             batch["input_ids"].to(device),
@@ -135,4 +194,12 @@ def shifted_batches(
             window,
             batch["layer_features"].to(device) if layers else None,
         )
-        yield shifted, [f"{epochs[sid]}:{sid}" for sid in batch["sample_ids"]]
+        yield shifted, [f"{epoch}:{sid}" for sid in batch["sample_ids"]]
+
+
+def feed_batch(feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool) -> tuple[ShiftedBatch, list[str]]:
+    """The next micro-batch of ``feed``, padded and shifted, and its "<epoch>:<sample id>"s."""
+    rows, epoch = feed.take()
+    longest = max(int(r["seq_len"]) for r in rows)
+    (batch,) = shifted_batches(rows, len(rows) * longest, hidden_size, feed.device, window, layers, epoch)
+    return batch

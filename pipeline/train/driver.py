@@ -29,10 +29,11 @@ from pipeline.config import RunConfig, StageSection
 from pipeline.console import Progress, say
 from pipeline.runtime import ensure_ray, setup_mlflow
 from pipeline.data.store import check_capture_key, part_files
+from pipeline.train.feed import data_config, online_datasets, stored_datasets
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.targets import draft_feature_layers, load_target, target_fingerprint
 from pipeline.train.worker import SCORE, StageProgress, train_worker
-from pipeline.train.batches import eval_split, reduced_vocabulary
+from pipeline.train.batches import held_out_ids, reduced_vocabulary, store_sample_ids, store_tokens
 
 
 def stage_dir(cfg: RunConfig, stage: int) -> Path:
@@ -80,15 +81,18 @@ def _console_progress(stage: StageSection, stages: list[int]) -> Iterator[tuple[
         ray.kill(channel)
 
 
-def _trainer(cfg: RunConfig, stage: StageSection, loop_config: dict[str, Any]):
-    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, checkpoints kept by
-    the held-out score, resumable under the same run name and storage path."""
+def _trainer(cfg: RunConfig, stage: StageSection, loop_config: dict[str, Any], datasets: dict[str, Any]):
+    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, each reading its
+    split of ``datasets`` (``pipeline.train.feed``), checkpoints kept by the held-out score, resumable
+    under the same run name and storage path."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
         train_worker,
         train_loop_config=loop_config,
+        datasets=datasets,
+        dataset_config=data_config(),
         scaling_config=ScalingConfig(
             num_workers=cfg.train.num_workers,
             use_gpu=cfg.train.use_gpu,
@@ -133,14 +137,13 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         "plan": plan.model_dump(mode="json"),
         "init_dir": init_dir,
         "d2t": d2t,
-        "files": part_files(cfg.store_path),
-        "eval_ids": sorted(context["eval_ids"]),
+        "has_eval": "eval" in context["datasets"],
         "mlflow_run_id": run_id,
         "stage_dir": str(out.resolve()),
         "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id, "init_from": init_dir},
     }
     with _console_progress(stage, [s.stage for s in cfg.train.schedule]) as (progress, channel):
-        result = _trainer(cfg, stage, {**loop_config, "progress": channel}).fit()
+        result = _trainer(cfg, stage, {**loop_config, "progress": channel}, context["datasets"]).fit()
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
     progress.update(stage.steps)
     progress.close(f"best held-out {SCORE.split('/')[-1]} {best_metrics[SCORE]:.3f}")
@@ -225,6 +228,39 @@ def _check_store_layers(cfg: RunConfig, target, manifest: dict[str, Any]) -> Non
         )
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
+    """The feature store's sample ids, tokens and datasets, after checking it fits this target and draft."""
+    manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len)
+    _check_store_layers(cfg, target, manifest)
+    files, layers = part_files(cfg.store_path), bool(draft_feature_layers(cfg, target))
+    return {
+        "sample_ids": store_sample_ids(cfg.store_path),
+        "tokens": lambda: store_tokens(cfg.store_path),
+        "datasets": lambda eval_ids: stored_datasets(files, manifest["capture_key"]["dtype"], layers, eval_ids),
+        "sha256": _digest(manifest),
+    }
+
+
+def _online_data(cfg: RunConfig) -> dict[str, Any]:
+    """The tokenized conversations' sample ids, tokens and datasets that featurize them as training
+    reads them; the digest covers what a store's manifest would pin (capture key and sample ids)."""
+    from pipeline.data.featurize import prepare_samples
+
+    key, samples, _ = prepare_samples(cfg)
+    if not samples:
+        raise ValueError("train.features=online: no conversation of the data selection could be used")
+    return {
+        "sample_ids": [s.sample_id for s in samples],
+        "tokens": lambda: ((s.sample_id, s.input_ids, s.loss_mask) for s in samples),
+        "datasets": lambda eval_ids: online_datasets(cfg, key, samples, eval_ids),
+        "sha256": _digest({"capture_key": key, "sample_ids": sorted(s.sample_id for s in samples)}),
+    }
+
+
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     """Train every stage of ``cfg.train.schedule`` (or only ``stage``), resuming where it stopped."""
     schedule = cfg.train.schedule
@@ -232,27 +268,26 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
         raise ValueError(f"stage {stage} is not in train.schedule (stages: {[s.stage for s in schedule]})")
     ensure_ray(cfg)
     target = load_target(cfg.target)
-    manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len)
-    _check_store_layers(cfg, target, manifest)
-    manifest_sha = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()
-    eval_ids = eval_split(cfg.store_path, cfg.train.eval_fraction)
+    data = _online_data(cfg) if cfg.train.features == "online" else _stored_data(cfg, target)
+    eval_ids = held_out_ids(data["sample_ids"], cfg.train.eval_fraction)
     d2t = None
     if cfg.draft.draft_vocab_size:
         d2t = reduced_vocabulary(
-            cfg.store_path,
+            data["tokens"](),
             cfg.draft.draft_vocab_size,
             target.vocab_size,
             eval_ids,
             reply_only=cfg.draft.vocab_from == "reply",
         ).tolist()
     context = {
-        "eval_ids": eval_ids,
+        "datasets": data["datasets"](eval_ids),
         "provenance": {
-            "store": cfg.store_path,
+            "store": cfg.store_path if cfg.train.features == "offline" else None,
+            "features": cfg.train.features,
             "algorithm": "griffin",
             "variant": cfg.draft.variant,
             "target": target_fingerprint(target),
-            "feature_manifest_sha256": manifest_sha,
+            "feature_manifest_sha256": data["sha256"],
             "resolved_config": cfg.resolved(),
         },
     }

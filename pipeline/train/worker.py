@@ -1,7 +1,10 @@
 """The Ray Train worker loop (docs/method.md §3): ``train_worker(config)`` rebuilds the typed config,
-resumes via ``ray.train.get_checkpoint()``, steps with ``griffin.training.train_step``, evaluates the
-held-out score, and reports through ``ray.train.report`` (checkpoints on every rank). Rank 0 also logs
-to MLflow and pushes each step to the driver's ``StageProgress`` actor, which feeds the console line.
+resumes via ``ray.train.get_checkpoint()``, reads its shard of the stage's datasets
+(``pipeline.train.batches.ShardFeed``), steps with ``griffin.training.train_step``, evaluates the
+held-out score, and reports through ``ray.train.report``. Rank 0 writes the checkpoint's draft,
+optimizer, scheduler and data position (identical on every rank under DDP); the other ranks add only
+their RNG state. Rank 0 also logs to MLflow and pushes each step to the driver's ``StageProgress``
+actor, which feeds the console line.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from griffin.training import (
 )
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.resources.targets import load_target
-from pipeline.train.batches import rank_rows, shifted_batches, split_rows
+from pipeline.data.store import table_rows
+from pipeline.train.batches import ShardFeed, feed_batch, shifted_batches
 
 SCORE = "eval/sim_accept_len"
 
@@ -80,35 +84,39 @@ def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, d
     return draft, target_head
 
 
-def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, rows, rank, provenance) -> None:
+TRAIN_STATE = "train_state.pt"  # rank 0: optimizer, scheduler, step, data position
+
+
+def rng_state_name(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, feed: ShardFeed, rank, provenance) -> None:
+    """Rank 0 writes what every rank holds alike (DDP): the draft, optimizer and scheduler state, the
+    step and the data position (ranks take rows in lockstep). Every rank adds its own RNG state, with
+    its weights' hash to show that the ranks agree."""
+    weights = tensors_sha256(dict(draft.named_parameters()))
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
-    weights = tensors_sha256(dict(draft.named_parameters()))  # ranks must agree (DDP)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            "rows_consumed": rows,
-            "rng": torch.get_rng_state(),
-            "weights_sha256": weights,
-        },
-        directory / f"train_state_rank{rank}.pt",
-    )
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
+        torch.save({**state, "epoch": feed.epoch, "taken": feed.taken}, directory / TRAIN_STATE)
+    torch.save({"rng": torch.get_rng_state(), "weights_sha256": weights}, directory / rng_state_name(rank))
 
 
-def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int]:
+def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int, int]:
+    """Load the latest checkpoint into this rank; (step, epoch, rows taken in it), zeros without one."""
     if checkpoint is None:
-        return 0, 0
+        return 0, 0, 0
     from safetensors.torch import load_file
 
     with checkpoint.as_directory() as directory:
         draft.load_state_dict(load_file(Path(directory) / "draft" / "model.safetensors"), strict=True)
-        state = torch.load(Path(directory) / f"train_state_rank{rank}.pt", weights_only=True)
+        state = torch.load(Path(directory) / TRAIN_STATE, weights_only=True)
+        rng = torch.load(Path(directory) / rng_state_name(rank), weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    return state["step"], state["rows_consumed"]
+    torch.set_rng_state(rng["rng"])
+    return state["step"], state["epoch"], state["taken"]
 
 
 def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: bool) -> list[tuple]:
@@ -130,6 +138,16 @@ def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: b
     return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
 
 
+def _eval_rows(config: dict[str, Any]) -> list[dict]:
+    """This rank's share of the held-out rows (none when the run holds none out)."""
+    import ray.train
+
+    if not config["has_eval"]:
+        return []
+    tables = ray.train.get_dataset_shard("eval").iter_batches(batch_size=None, batch_format="pyarrow")
+    return [row for table in tables for row in table_rows(table)]
+
+
 def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bool) -> dict[str, float]:
     """eval/acc_k and eval/sim_accept_len on the held-out rows, in the training precision."""
     counts = torch.zeros(2, cfg.train.eval_steps, dtype=torch.float64)
@@ -140,11 +158,17 @@ def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bo
     return acceptance_metrics(counts)
 
 
-def _audit(stage_dir: Path, rank: int, step: int, ids: tuple) -> None:
-    """The data audit trail: which samples each rank trained on at each step, and on which node."""
+def _audit(stage_dir: Path, rank: int, step: int, ids: tuple, feed: ShardFeed) -> None:
+    """The data audit trail: which samples each rank trained on at each step, on which node, and the
+    bytes of the blocks it has read so far in this attempt."""
     import ray
 
-    record = {"step": step, "node": ray.get_runtime_context().get_node_id(), "sample_ids": [s for b in ids for s in b]}
+    record = {
+        "step": step,
+        "node": ray.get_runtime_context().get_node_id(),
+        "sample_ids": [s for b in ids for s in b],
+        "bytes_read": sum(feed.block_bytes),
+    }
     with open(stage_dir / f"data_rank{rank}.jsonl", "a") as log:
         log.write(json.dumps(record) + "\n")
 
@@ -188,26 +212,25 @@ def train_worker(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
     optimizer = make_optimizer(draft, method, plan)
     scheduler = make_scheduler(optimizer, method, plan)
-    step, rows_consumed = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
-    files, eval_ids = config["files"], set(config["eval_ids"])
+    step, epoch, taken = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
-    rows = rank_rows(files, eval_ids, rank, world, cfg.train.seed, rows_consumed, layers)
-    batches = shifted_batches(rows, cfg.train.batch_tokens, draft.cfg.hidden_size, device, method.loss_window, layers)
-    eval_rows = [r for i, r in enumerate(split_rows(files, eval_ids, keep=True, layers=layers)) if i % world == rank]
+    shard = ray.train.get_dataset_shard("train")
+    feed = ShardFeed(shard, rank, world, cfg.train.seed, cfg.train.batch_tokens, device, epoch, taken)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
-    eval_set = _eval_set(draft, eval_rows, cfg, target_head, bf16)
+    eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
     started, tokens_done, first_step = time.time(), 0.0, step
 
     while step < stage.steps:
-        micro, ids = zip(*[next(batches) for _ in range(method.grad_accum)])
+        micro, ids = zip(
+            *[feed_batch(feed, draft.cfg.hidden_size, method.loss_window, layers) for _ in range(method.grad_accum)]
+        )
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
         metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head)
         step += 1
-        rows_consumed += sum(len(x) for x in ids)
         tokens_done += metrics["tokens"] * world
-        _audit(Path(config["stage_dir"]), rank, step, ids)
+        _audit(Path(config["stage_dir"]), rank, step, ids, feed)
         if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
             fail_marker.touch()
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
@@ -222,7 +245,7 @@ def train_worker(config: dict[str, Any]) -> None:
         if do_ckpt:
             with tempfile.TemporaryDirectory() as tmp:
                 provenance = {**config["provenance"], "step": step, "metrics": report}
-                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, rows_consumed, rank, provenance)
+                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, feed, rank, provenance)
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
         elif SCORE in report:
             ray.train.report(report)

@@ -59,12 +59,18 @@ def final_weights(cfg, stage=1):
     return load_file(stage_dir(cfg, stage) / "best" / "model.safetensors")
 
 
-def last_states(cfg, stage):
-    """The train_state of each rank in the stage's latest checkpoint."""
+def last_checkpoint(cfg, stage) -> Path:
     ckpts = sorted(
         p for p in (cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage{stage}").glob("checkpoint_*") if p.is_dir()
     )
-    return [torch.load(p, weights_only=True) for p in sorted(ckpts[-1].glob("train_state_rank*.pt"))]
+    return ckpts[-1]
+
+
+def last_states(cfg, stage):
+    """The stage's latest checkpoint: rank 0's train state, and each rank's RNG state."""
+    ckpt = last_checkpoint(cfg, stage)
+    rngs = [torch.load(p, weights_only=True) for p in sorted(ckpt.glob("rng_rank*.pt"))]
+    return torch.load(ckpt / "train_state.pt", weights_only=True), rngs
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +98,13 @@ def test_three_stage_schedule_two_workers(schedule_run):
         assert provenance["init_from"] == str(stage_dir(cfg, stage - 1) / "best")
         assert provenance["stage"] == stage
     assert Path(summary["best"], "model.safetensors").exists()
-    states = last_states(cfg, 1)
-    assert len(states) == 2 and states[0]["weights_sha256"] == states[1]["weights_sha256"]
+    state, rngs = last_states(cfg, 1)
+    assert len(rngs) == 2 and rngs[0]["weights_sha256"] == rngs[1]["weights_sha256"]
+    # the optimizer state is written once, by rank 0: the other rank's file is its RNG state alone
+    ckpt = last_checkpoint(cfg, 1)
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    assert files == ["draft/config.json", "draft/model.safetensors", "rng_rank0.pt", "rng_rank1.pt", "train_state.pt"]
+    assert set(rngs[1]) == {"rng", "weights_sha256"} and state["step"] == 4 and "optimizer" in state
     seen = [
         {
             s
@@ -132,10 +143,16 @@ def test_resume_after_crash_gives_identical_weights(store, schedule_run):
     with pytest.raises(TrainingFailedError):
         run_train(crashed)
     run_train(crashed)  # same run name + storage path: resumes from the step-2 checkpoint
-    reference = final_weights(clean)
+    reference, (reference_state, _) = final_weights(clean), last_states(clean, 1)
     for cfg in (restarted, crashed):
-        weights = final_weights(cfg)
+        weights, (state, _) = final_weights(cfg), last_states(cfg, 1)
         assert all(torch.equal(reference[k], weights[k]) for k in reference)
+        assert state["step"] == reference_state["step"] and state["scheduler"] == reference_state["scheduler"]
+        assert (state["epoch"], state["taken"]) == (reference_state["epoch"], reference_state["taken"])
+        ours, theirs = state["optimizer"]["state"], reference_state["optimizer"]["state"]  # Adam moments
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            assert all(torch.equal(ours[key][n], theirs[key][n]) for n in theirs[key])
 
 
 def test_rerun_skips_completed_stages(schedule_run, capsys):

@@ -1,0 +1,90 @@
+"""A training stage's input as Ray Data datasets, split across the Ray Train workers.
+
+``train.features: offline`` reads the feature store: ``ray.data.read_parquet`` over its parts, only
+the columns the draft reads (a single-feature draft never reads the multi-layer column), one read
+task per part. ``online`` computes the same rows as training reads them: the featurize stage's
+target actors (``PartFeatures``, with featurize's pool size and resources) run over the same planned
+parts a featurize would write, and nothing is stored. Either way the held-out rows (by sample id)
+form the ``eval`` dataset (none without held-out rows) and the rest the ``train`` dataset, in the same order.
+
+``data_config()`` splits both with ``streaming_split(world, equal=True)`` (Ray Train's
+``DataConfig``), so each rank reads ~1/world of the rows, with ``preserve_order`` so that the same
+rows reach the same rank in the same order on every attempt (exact resume; ``pipeline.train.batches``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.config import RunConfig
+
+BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
+
+
+def data_config():
+    """Ray Train's dataset split, deterministic (locality hints give way to order)."""
+    from ray.train import DataConfig
+
+    options = DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return DataConfig(datasets_to_split="all", execution_options=options)
+
+
+def feature_columns(dtype: str, layers: bool) -> list[str]:
+    """The store columns a draft reads: the final feature (+ fp8 scales), and the feature layers of a
+    multi-layer draft."""
+    fp8 = dtype == "fp8"
+    return [
+        *BASE_COLUMNS,
+        *(["scales"] if fp8 else []),
+        *((["layers"] + (["layer_scales"] if fp8 else [])) if layers else []),
+    ]
+
+
+def select_rows(table: pa.Table, ids: list[str], keep: bool) -> pa.Table:
+    """The rows of ``table`` whose sample id is in ``ids`` (keep) or not."""
+    inside = pc.is_in(table["sample_id"], value_set=pa.array(ids, pa.string()))
+    return table.filter(inside if keep else pc.invert(inside))
+
+
+def _split(base, eval_ids: set[str]) -> dict[str, Any]:
+    ids = sorted(eval_ids)
+    split = lambda keep: base.map_batches(  # noqa: E731
+        select_rows, batch_size=None, batch_format="pyarrow", fn_kwargs={"ids": ids, "keep": keep}
+    )
+    return {"train": split(False), **({"eval": split(True)} if ids else {})}
+
+
+def stored_datasets(files: list[str], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
+    """``train`` and ``eval`` datasets of the store's part ``files``."""
+    import ray
+
+    base = ray.data.read_parquet(files, columns=feature_columns(dtype, layers), override_num_blocks=len(files))
+    return _split(base, eval_ids)
+
+
+def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: set[str]) -> dict[str, Any]:
+    """``train`` and ``eval`` datasets whose features the target actors compute as they are read: the
+    parts ``griffin featurize`` would write (same grouping and order), each cut to its train or its
+    held-out samples before the target sees it, so no held-out row is featurized for training."""
+    from pipeline.data.featurize import PartFeatures, group_parts, pack_part, target_part
+    from pipeline.data.parts import part_actor_dataset
+
+    layers = key.get("feature_layers", ())
+    groups = group_parts(samples, cfg, key["hidden_size"], len(layers))
+    kwargs = dict(
+        target=cfg.target.model_dump(),
+        dtype=cfg.features.dtype,
+        batch_tokens=cfg.features.batch_tokens,
+        fingerprint=target_part(key),
+        layers=tuple(layers),
+    )
+
+    def dataset(keep: bool):
+        parts = [[s for s in group if (s.sample_id in eval_ids) == keep] for group in groups]
+        return part_actor_dataset(cfg, PartFeatures, [pack_part(p) for p in parts if p], kwargs)
+
+    return {"train": dataset(False), **({"eval": dataset(True)} if eval_ids else {})}
