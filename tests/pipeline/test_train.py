@@ -249,3 +249,18 @@ def test_a_worker_keeps_the_draft_and_the_head_but_not_the_target(monkeypatch):
     assert torch.equal(draft.embed_weight, reference_target.embed_weight)
     theirs = reference.state_dict()
     assert all(torch.equal(value, theirs[name]) for name, value in draft.state_dict().items())
+
+
+@pytest.mark.timeout(900)
+def test_online_features_train_the_same_weights_as_the_store(store, schedule_run):
+    """``train.features=online``: the target actors featurize the planned parts as the two workers read
+    them, nothing is written, and stage 1 ends with the stored run's weights, bit for bit."""
+    clean, _ = schedule_run
+    online = train_cfg(store, "online", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]", "train.features=online")
+    online = online.model_copy(update={"data": online.data.model_copy(update={"limit": None})})  # the store's 40
+    summary = run_train(online)
+    reference, weights = final_weights(clean), final_weights(online)
+    assert all(torch.equal(reference[k], weights[k]) for k in reference)
+    provenance = json.loads((Path(summary["best"]) / "config.json").read_text())["provenance"]
+    assert provenance["features"] == "online" and provenance["store"] is None
+    assert not (online.run_dir / "features").exists()
