@@ -23,6 +23,7 @@ class Section(BaseModel):
 
 class TargetSection(Section):
     name: str = Field(description="asset name (griffin.assets), local directory or HF hub id")
+    revision: str | None = Field(default=None, pattern=r"^\w[\w./-]*$", description="hub branch, tag or commit")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         default="auto",
         description="auto: bfloat16 where the device runs it natively (GPUs, CPUs with AMX or "
@@ -49,6 +50,7 @@ class DataSection(Section):
     split: str = Field(
         default="train", min_length=1, description="split of an HF hub id or a DatasetDict directory, e.g. 'train_sft'"
     )
+    revision: str | None = Field(default=None, pattern=r"^\w[\w./-]*$", description="hub branch, tag or commit")
     format: Literal["auto", "sharegpt", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)
@@ -307,10 +309,11 @@ class RunConfig(Section):
 
     @property
     def training_data(self) -> DataSection:
-        """``data`` with ``source: regenerated`` resolved to the regenerated set's path."""
+        """``data`` with ``source: regenerated`` resolved to the regenerated set's path, a local directory:
+        ``data.revision`` then pinned the hub dataset of its prompts (``prompt_data``), not the set."""
         if self.data.source != "regenerated":
             return self.data
-        return self.data.model_copy(update={"source": self.regenerated_path})
+        return self.data.model_copy(update={"source": self.regenerated_path, "revision": None})
 
     @property
     def prompt_data(self) -> DataSection:

@@ -223,6 +223,8 @@ def _prepare(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
     }  # both change every row
     if layers := feature_layers(cfg, target):  # absent without: stores from before feature layers keep their key
         key["feature_layers"] = list(layers)
+    if cfg.training_data.revision:  # likewise: the hub dataset's rows at this revision only
+        key["data_revision"] = cfg.training_data.revision
     ledger, samples, end_ids = Ledger(), [], set(target.stop_token_ids)
     for conversation in load_conversations(cfg.training_data, ledger):
         try:
