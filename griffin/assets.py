@@ -265,9 +265,17 @@ def prepare_asset(name: str, cache_dir: str | Path | None = None, install: bool 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def resolve_target_path(path_or_name: str) -> str:
+def resolve_target_path(path_or_name: str, revision: str | None = None) -> str:
     """A local directory as is, an asset name as its prepared cache directory, an ``org/name``
-    HF hub id as is (transformers fetches it, which needs the hub); anything else is an error."""
+    HF hub id as is (transformers fetches it, which needs the hub); anything else is an error.
+    A ``revision`` only applies to a hub id: for a directory or an asset it is refused, not ignored,
+    so that a pin never seems to hold where nothing checks it."""
+    if revision is not None and (Path(path_or_name).expanduser().is_dir() or path_or_name in ASSETS):
+        raise ValueError(
+            f"revision {revision!r} names a commit of an HF hub id, but {path_or_name!r} is a "
+            f"{'local directory' if Path(path_or_name).expanduser().is_dir() else 'PyPI-packaged asset'}, "
+            "which has none: drop target.revision or name the hub id"
+        )
     if Path(path_or_name).expanduser().is_dir():
         return path_or_name
     if path_or_name in ASSETS:

@@ -196,13 +196,14 @@ def layer_features(out: Any, feature_layers: tuple[int, ...] | None) -> Tensor:
 class TargetAdapter:
     """The frozen target: prefill, tree verification, KV compaction, embedding and LM head."""
 
-    def __init__(self, hf_model: Any, tokenizer: Any = None, name: str | None = None):
+    def __init__(self, hf_model: Any, tokenizer: Any = None, name: str | None = None, revision: str | None = None):
         self.model = hf_model.eval()
         self.backbone = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
         self.hf_config = hf_model.config
         self.tokenizer = tokenizer
         self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
+        self.revision = revision  # the hub revision it was loaded at (lineage); None: the default or not the hub
         self.packed = False  # see prepack()
         self._weights_sha256: str | None = None
         for p in self.model.parameters():
@@ -210,17 +211,27 @@ class TargetAdapter:
 
     @classmethod
     def from_pretrained(
-        cls, path_or_name: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", **kwargs: Any
+        cls,
+        path_or_name: str | Path,
+        dtype: str | torch.dtype = "bfloat16",
+        device: str = "cpu",
+        revision: str | None = None,
+        **kwargs: Any,
     ) -> "TargetAdapter":
-        """Load from a local directory, an asset name (see ``griffin.assets``) or an HF hub id."""
+        """Load from a local directory, an asset name (see ``griffin.assets``) or an HF hub id; ``revision``
+        (a branch, tag or commit of the hub id) reaches both the weights and the tokenizer."""
         from griffin.assets import resolve_target_path
 
-        path = resolve_target_path(str(path_or_name))
+        path = resolve_target_path(str(path_or_name), revision)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype), attn_implementation=kwargs.pop("attn_implementation", "sdpa"), **kwargs
+            path,
+            dtype=resolve_dtype(dtype),
+            attn_implementation=kwargs.pop("attn_implementation", "sdpa"),
+            revision=revision,
+            **kwargs,
         ).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, name=str(path_or_name))
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+        return cls(model, tokenizer, name=str(path_or_name), revision=revision)
 
     def prepack(self) -> bool:
         """Pre-pack the target's linear layers for CPU decoding, fp32 or native bf16 (``PackedLinear``); a

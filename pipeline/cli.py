@@ -17,6 +17,8 @@ from typing import Any
 
 from pipeline.config import RunConfig, load_config
 
+DISTRIBUTION = "griffin-drafts"  # project.name in pyproject.toml
+
 # command -> ("module:function", help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("pipeline.resources.targets:run_assets", "prepare the target (PyPI asset -> safetensors cache)"),
@@ -36,11 +38,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version; a source checkout that is not installed (``PYTHONPATH=.``)
+    reads it from its pyproject.toml, so the version printed is always the code's own."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="griffin",
         description="GRIFFIN speculative decoding: griffin <command> -c CONFIG.yaml [section.field=value ...]",
     )
+    parser.add_argument("--version", action="version", version=f"griffin {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -23,6 +23,7 @@ class Section(BaseModel):
 
 class TargetSection(Section):
     name: str = Field(description="asset name (griffin.assets), local directory or HF hub id")
+    revision: str | None = Field(default=None, pattern=r"^\w[\w./-]*$", description="hub branch, tag or commit")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         default="auto",
         description="auto: bfloat16 where the device runs it natively (GPUs, CPUs with AMX or "
@@ -49,6 +50,7 @@ class DataSection(Section):
     split: str = Field(
         default="train", min_length=1, description="split of an HF hub id or a DatasetDict directory, e.g. 'train_sft'"
     )
+    revision: str | None = Field(default=None, pattern=r"^\w[\w./-]*$", description="hub branch, tag or commit")
     format: Literal["auto", "sharegpt", "openai"] = "auto"
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)
@@ -137,11 +139,7 @@ class TrainSection(Section):
     schedule: list[StageSection] = Field(default_factory=lambda: [StageSection(stage=1, steps=100)])
     method: TrainConfig = Field(default_factory=TrainConfig, description="loss / optimizer hyper-parameters")
     init_from: str | None = Field(default=None, description="draft directory the first stage starts from")
-    features: Literal["offline", "online"] = Field(
-        default="offline",
-        description="offline: read the feature store; online: the featurize stage's target actors compute "
-        "the features as training reads them (nothing is stored; the target runs every epoch)",
-    )
+    features: Literal["offline", "online"] = Field(default="offline", description="read features.store, or compute online")
     num_workers: int = Field(default=1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0)
@@ -149,8 +147,7 @@ class TrainSection(Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     batch_tokens: int = Field(default=4096, ge=16, description="tokens per worker micro-batch (padded)")
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        default="auto",
-        description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where the device runs it natively",
+        default="auto", description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where native"
     )
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     eval_steps: int = Field(default=5, ge=1, description="draft steps k of eval/acc_k")
@@ -312,10 +309,11 @@ class RunConfig(Section):
 
     @property
     def training_data(self) -> DataSection:
-        """``data`` with ``source: regenerated`` resolved to the regenerated set's path."""
+        """``data`` with ``source: regenerated`` resolved to the regenerated set's path, a local directory:
+        ``data.revision`` then pinned the hub dataset of its prompts (``prompt_data``), not the set."""
         if self.data.source != "regenerated":
             return self.data
-        return self.data.model_copy(update={"source": self.regenerated_path})
+        return self.data.model_copy(update={"source": self.regenerated_path, "revision": None})
 
     @property
     def prompt_data(self) -> DataSection:

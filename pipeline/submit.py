@@ -3,7 +3,7 @@
 The job runs ``python -m jobs.<stage> -c CONFIG [stage flags] [overrides]`` (the same ``griffin
 <stage>`` command line, e.g. ``--stage 2`` for train or ``--promote`` for register) on the cluster with a runtime_env
 whose working_dir is this repository (code, configs) plus whatever ``cluster.runtime_env`` adds
-(e.g. ``pip`` with the pinned constraints for a cluster without the packages). Paths in the config
+(e.g. ``env_vars``; the packages come with the cluster image, infra/image). Paths in the config
 must be valid on the cluster: use shared-filesystem paths or object-store URIs for
 ``output_dir`` / ``features.store`` (see infra/README.md).
 """

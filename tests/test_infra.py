@@ -1,10 +1,12 @@
 """infra/ and the run configs: every manifest parses and agrees with the code and the GPU config.
 
 Nothing here talks to a cluster. It checks what a typo or a drift between files would break on one:
-KubeRay CRD shapes (ray.io/v1), RayJob entrypoints naming real ``jobs/<stage>.py`` modules and config
-files, runtime_envs Ray accepts with the same pins as the config and constraints.txt, a Serve config
-Ray's schema accepts whose import path builds the app, the launcher YAML against Ray's own schema, the
-MLflow server (PostgreSQL, S3, ClusterIP only, no literal secrets), and every jobs/configs/*.yaml.
+KubeRay CRD shapes (ray.io/v1), every Ray pod and launcher node on the project's image (the tag named
+once, in infra/image/IMAGE; the Dockerfile on the Ray of this venv), RayJob entrypoints naming real
+``jobs/<stage>.py`` modules and config files, runtime_envs Ray accepts that install nothing, a Serve
+config Ray's schema accepts whose import path builds the app, the launcher YAML against Ray's own
+schema, the MLflow server (PostgreSQL, S3, ClusterIP only, no literal secrets), and every
+jobs/configs/*.yaml.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,7 +29,10 @@ INFRA = REPO / "infra"
 GPU_CONFIG = "jobs/configs/llama3-8b-gpu.yaml"
 STAGES = ("featurize", "train", "register", "evaluate")
 DRIVER_NEEDS_GPU = {"featurize", "train", "evaluate"}  # these drivers load the target themselves
-RAY_IMAGE = re.compile(r"^rayproject/ray:(?P<version>\d+\.\d+\.\d+)-py311(?P<gpu>-gpu)?$")
+IMAGE_DIR = INFRA / "image"
+IMAGE = (IMAGE_DIR / "IMAGE").read_text().strip()  # the one place naming the tag; variants IMAGE-cpu, IMAGE-gpu
+# runtime_env fields that install packages when a job starts: the image holds them instead
+INSTALLING_FIELDS = {"pip", "uv", "conda", "py_modules", "py_executable", "image_uri", "container"}
 # spec fields of the ray.io/v1 CRDs (KubeRay API reference): a misspelt key is silently dropped by
 # the API server, so it has to be caught here
 CRD_SPEC_FIELDS = {
@@ -142,18 +148,24 @@ def _env(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
-def _pins(requirements: list[str]) -> dict[str, str]:
-    pins = {}
-    for line in requirements:
-        name, sep, version = line.partition("==")
-        assert sep, f"{line!r} is not pinned with =="
-        pins[name.strip().lower()] = version.strip()
-    return pins
-
-
-def _constraints() -> dict[str, str]:
-    lines = [ln.split("#")[0].strip() for ln in (REPO / "constraints.txt").read_text().splitlines()]
-    return _pins([ln for ln in lines if ln])
+def _dockerfile() -> dict:
+    """infra/image/Dockerfile's instructions: the ARG defaults, FROM, WORKDIR, COPY sources and RUN lines."""
+    text = re.sub(r"\\\n\s*", " ", (IMAGE_DIR / "Dockerfile").read_text())  # join continued lines
+    found: dict = {"args": {}, "from": [], "copy": [], "run": [], "workdir": None}
+    for line in (ln.strip() for ln in text.splitlines()):
+        word, _, rest = line.partition(" ")
+        if word == "ARG":
+            name, _, default = rest.partition("=")
+            found["args"].setdefault(name, default or None)  # the global default, not the stage's re-declaration
+        elif word == "FROM":
+            found["from"].append(rest)
+        elif word == "WORKDIR":
+            found["workdir"] = rest
+        elif word == "COPY":
+            found["copy"] += [a for a in shlex.split(rest) if not a.startswith("--")][:-1]
+        elif word == "RUN":
+            found["run"].append(rest)
+    return found
 
 
 # ---- every file -------------------------------------------------------------------------------
@@ -189,11 +201,31 @@ def test_kuberay_objects_are_ray_io_v1_with_known_fields(manifests):
         assert m["apiVersion"] == "ray.io/v1", f"{m['kind']} {m['metadata']['name']}: {m['apiVersion']}"
         unknown = set(m["spec"]) - CRD_SPEC_FIELDS[m["kind"]]
         assert not unknown, f"{m['kind']} {m['metadata']['name']}: unknown spec fields {sorted(unknown)}"
+        assert m["spec"].get("rayVersion", ray.__version__) == ray.__version__
         for pod in _pod_specs(m):
             for c in _containers({"spec": pod}):
-                match = RAY_IMAGE.match(c["image"])
-                assert match, f"{m['metadata']['name']}: image {c['image']} is not a rayproject/ray py311 image"
-                assert match["version"] == ray.__version__, f"{c['image']} does not run Ray {ray.__version__}"
+                assert c["image"] in (f"{IMAGE}-cpu", f"{IMAGE}-gpu"), f"{m['metadata']['name']}: {c['image']}"
+
+
+# ---- the image ------------------------------------------------------------------------------------
+def test_image_is_ray_of_this_venv_with_the_project_installed_from_constraints():
+    import ray
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    repository, tag = IMAGE.rsplit(":", 1)
+    assert repository.endswith("/" + project["name"]) and tag == project["version"], f"{IMAGE} != the project"
+    image = _dockerfile()
+    assert image["from"] == ["${BASE}"], "one build stage, from the pinned base"
+    variant = image["args"]["VARIANT"]
+    base = image["args"]["BASE"].replace("${VARIANT}", variant)
+    assert variant == "gpu" and base == f"rayproject/ray:{ray.__version__}-py311-gpu", base
+    assert "VARIANT" in image["run"][0] and "download.pytorch.org/whl/cpu" in image["run"][0]  # the cpu variant
+    assert {"pyproject.toml", "constraints.txt", "griffin/", "pipeline/", "jobs/"} <= set(image["copy"])
+    (install,) = [shlex.split(c) for run in image["run"] for c in run.split("&&") if "pip install" in c]
+    assert install[install.index("-c") + 1] == "constraints.txt" and install[-1] == ".", install
+    assert any("pip check" in run for run in image["run"]), "a conflict with the base must fail the build"
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in ignore and set(image["copy"]) <= {ln[1:] for ln in ignore if ln.startswith("!")}, "context"
 
 
 # ---- RayCluster -------------------------------------------------------------------------------
@@ -204,7 +236,7 @@ def _check_ray_cluster(name: str, cluster: dict, manifests) -> dict:
     assert cluster["rayVersion"] == ray.__version__
     head = cluster["headGroupSpec"]
     head_container = _containers(head["template"])[0]
-    assert not RAY_IMAGE.match(head_container["image"])["gpu"], f"{name}: the head should be a CPU image"
+    assert head_container["image"] == f"{IMAGE}-cpu", f"{name}: the head should be the CPU image"
     assert "nvidia.com/gpu" not in head_container["resources"].get("limits", {})
     assert head.get("serviceType", "ClusterIP") == "ClusterIP", f"{name}: the head service must stay in the cluster"
     gpu_groups = [
@@ -218,7 +250,7 @@ def _check_ray_cluster(name: str, cluster: dict, manifests) -> dict:
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
     for group in gpu_groups:
         container = _containers(group["template"])[0]
-        assert RAY_IMAGE.match(container["image"])["gpu"], f"{name}: GPU workers need the -gpu image"
+        assert container["image"] == f"{IMAGE}-gpu", f"{name}: GPU workers need the -gpu image"
         assert (
             container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
         )
@@ -279,8 +311,7 @@ def test_rayjob_runs_a_real_stage_module_with_a_real_config(stage, docs, manifes
     else:
         assert spec.get("entrypointNumGpus", 0) == 0
     env = _runtime_env(spec["runtimeEnvYAML"])
-    working_dir = urlparse(env["working_dir"])
-    assert working_dir.scheme == "local" and working_dir.path.startswith("/mnt/griffin/"), env["working_dir"]
+    assert env["working_dir"] == f"local://{_dockerfile()['workdir']}", "the job runs the image's own copy"
 
 
 def _all_runtime_envs(docs) -> dict[str, dict]:
@@ -291,17 +322,11 @@ def _all_runtime_envs(docs) -> dict[str, dict]:
     return envs
 
 
-def test_runtime_envs_pin_what_the_config_and_constraints_pin(docs, cfg):
+def test_no_runtime_env_installs_packages(docs, cfg):
     config_env = cfg.cluster.runtime_env
-    config_pins = _pins(config_env["pip"])
-    constraints = _constraints()
-    assert {"torch", "transformers", "mlflow", "pydantic"} <= config_pins.keys()
-    assert "ray" not in config_pins, "ray comes with the rayproject image; pinning it again reinstalls it"
-    for name, version in config_pins.items():
-        if name in constraints:
-            assert version == constraints[name], f"{name}=={version} but constraints.txt pins {constraints[name]}"
+    assert not INSTALLING_FIELDS & config_env.keys(), f"{GPU_CONFIG}: the image holds the packages"
     for where, env in _all_runtime_envs(docs).items():
-        assert _pins(env["pip"]) == config_pins, f"{where}: pip pins differ from {GPU_CONFIG}"
+        assert not INSTALLING_FIELDS & env.keys(), f"{where}: installs {sorted(INSTALLING_FIELDS & env.keys())}"
         missing = {k: v for k, v in config_env["env_vars"].items() if env["env_vars"].get(k) != v}
         assert not missing, f"{where}: env_vars lack {missing}"
     # ensure_ray passes cluster.runtime_env to ray.init inside the job: Ray must be told to merge
@@ -361,13 +386,13 @@ def test_launcher_yaml_matches_rays_schema(docs):
     assert launcher["head_node_type"] in types
     assert launcher["provider"]["type"] == "aws"
     docker = launcher["docker"]
-    assert not RAY_IMAGE.match(docker["head_image"])["gpu"] and RAY_IMAGE.match(docker["worker_image"])["gpu"]
+    assert docker["head_image"] == f"{IMAGE}-cpu" and docker["image"] == docker["worker_image"] == f"{IMAGE}-gpu"
     workers = [t for name, t in types.items() if name != launcher["head_node_type"]]
     assert workers and all(t.get("max_workers", 0) >= 1 for t in workers)
-    installs = [shlex.split(c.split("&&")[-1]) for c in launcher["setup_commands"] if "pip install" in c]
-    assert any({"-c", "constraints.txt"} <= set(a) and a[-2:] == ["-e", "."] for a in installs), installs
-    assert (REPO / "constraints.txt").is_file()
-    assert "." in launcher["file_mounts"].values(), "the repository must be copied to the nodes"
+    commands = [c for key, value in launcher.items() if key.endswith("_commands") for c in value]
+    assert not [c for c in commands if re.search(r"\b(pip|uv|conda)\b.*\binstall\b", c)], "the image holds them"
+    # the image's copy of the project is the code (~/griffin); a copy of the local checkout would shadow it
+    assert "." not in launcher["file_mounts"].values() and "~/griffin" not in launcher["file_mounts"]
     assert "-v /mnt/griffin:/mnt/griffin" in docker["run_options"], "the shared filesystem must reach the containers"
 
 

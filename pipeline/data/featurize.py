@@ -249,12 +249,14 @@ def capture_key(cfg: RunConfig, target) -> dict[str, Any]:
     }  # both change every row
     if layers := feature_layers(cfg, target):  # absent without: stores from before feature layers keep their key
         key["feature_layers"] = list(layers)
+    if cfg.training_data.revision:  # likewise: the hub dataset's rows at this revision only
+        key["data_revision"] = cfg.training_data.revision
     return key
 
 
 def target_part(key: dict[str, Any]) -> dict[str, Any]:
     """The target fingerprint within a capture key: what every actor's own target load must match."""
-    capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers")
+    capture = ("layer", "post_norm", "dtype", "max_len", "system_prompt", "feature_layers", "data_revision")
     return {k: v for k, v in key.items() if k not in capture}
 
 

@@ -221,6 +221,8 @@ def capture_key(cfg: RunConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
         "top_p": settings.top_p if settings.temperature > 0 else 1.0,
         "max_new_tokens": settings.max_new_tokens,
         "max_len": cfg.data.max_len,
+        # only when set, so that sets regenerated before revisions were recorded keep their key
+        **({"source_revision": cfg.prompt_data.revision} if cfg.prompt_data.revision else {}),
     }
 
 

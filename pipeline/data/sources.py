@@ -142,10 +142,18 @@ def iter_jsonl(path: Path, ledger: Ledger) -> Iterator[tuple[int, Any]]:
                 ledger.add(None, "malformed", f"{path}:{line}", error.msg)
 
 
-def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[tuple[str, Any]]:
+def iter_records(
+    source: str, ledger: Ledger, split: str = "train", revision: str | None = None
+) -> Iterator[tuple[str, Any]]:
     """(where, record) from the configured source. JSON and JSONL stay on the readers above rather
     than ``datasets``: they stream too, and only they can recover a truncated array, name the line
-    of each record and put a malformed line in the ledger instead of failing the whole file."""
+    of each record and put a malformed line in the ledger instead of failing the whole file.
+    ``revision`` pins an HF hub dataset; any other source refuses it rather than ignore the pin."""
+    if revision is not None and not _is_hub_id(source):
+        raise ValueError(
+            f"data.revision {revision!r} names a commit of an HF hub dataset, but data.source {source!r} is "
+            "not one (the sharegpt package, a file or a directory has no revisions): drop data.revision"
+        )
     path = sharegpt_path() if source == "sharegpt" else Path(source).expanduser()
     if source == "regenerated":
         raise ValueError(
@@ -159,8 +167,8 @@ def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[
         yield from _iter_saved(source, path, split)
         return
     if source != "sharegpt" and not path.is_file():
-        if _HUB_ID.fullmatch(source) and path.suffix.lower() not in _FILE_SUFFIXES:
-            yield from _iter_hub(source, split)
+        if _is_hub_id(source):
+            yield from _iter_hub(source, split, revision)
             return
         raise FileNotFoundError(
             f"data.source {source!r}: no such file; use 'sharegpt', a JSON/JSONL/Parquet file "
@@ -173,6 +181,12 @@ def iter_records(source: str, ledger: Ledger, split: str = "train") -> Iterator[
         return
     for line, record in (iter_json_array if kind == "json" else iter_jsonl)(path, ledger):
         yield f"{path}:{line}", record
+
+
+def _is_hub_id(source: str) -> bool:
+    """``org/name`` that is no local file or directory (nor looks like a missing file)."""
+    path = Path(source).expanduser()
+    return bool(_HUB_ID.fullmatch(source)) and not path.exists() and path.suffix.lower() not in _FILE_SUFFIXES
 
 
 def _file_kind(source: str, path: Path) -> str:
@@ -273,12 +287,12 @@ def _iter_saved(source: str, path: Path, split: str) -> Iterator[tuple[str, Any]
     yield from _read(source, str(path), (row for batch in batches for row in batch.to_pylist()))
 
 
-def _iter_hub(source: str, split: str) -> Iterator[tuple[str, Any]]:
+def _iter_hub(source: str, split: str, revision: str | None = None) -> Iterator[tuple[str, Any]]:
     """Streamed from the hub: nothing is downloaded whole, and ``limit`` stops the stream early."""
     import datasets
 
     try:
-        rows = datasets.load_dataset(source, split=split, streaming=True)
+        rows = datasets.load_dataset(source, split=split, streaming=True, revision=revision)
     except ValueError as error:  # a split the dataset doesn't have, a malformed id
         raise ValueError(
             f"data.source {source!r}, data.split {split!r}: {error}; check the dataset id and set "
@@ -364,7 +378,7 @@ def load_conversations(data: DataSection, ledger: Ledger) -> list[Conversation]:
     seen: set[str] = set()
 
     def conversations() -> Iterator[Conversation]:
-        for where, record in iter_records(data.source, ledger, data.split):
+        for where, record in iter_records(data.source, ledger, data.split, data.revision):
             sample_id = conversation_id(record)
             try:
                 if sample_id in seen:

@@ -265,8 +265,17 @@ def read_manifest(store: str, require_complete: bool = True) -> dict[str, Any]:
     return manifest
 
 
+# recorded in a capture key for lineage, never compared: the weights hash already pins the target, and a
+# store captured before revisions were recorded (or at "main" vs its commit sha) holds the same features
+LINEAGE_ONLY = ("target_revision",)
+
+
 def key_mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    return [f"{k}: store has {stored.get(k)!r}, expected {v!r}" for k, v in expected.items() if stored.get(k) != v]
+    return [
+        f"{k}: store has {stored.get(k)!r}, expected {v!r}"
+        for k, v in expected.items()
+        if k not in LINEAGE_ONLY and stored.get(k) != v
+    ]
 
 
 def check_capture_key(store: str, fingerprint: dict[str, Any], max_len: int | None = None) -> dict[str, Any]:

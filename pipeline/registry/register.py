@@ -47,6 +47,7 @@ TARGET_TAGS = (
     "hidden_size",
     "vocab_size",
     "architecture",
+    "target_revision",  # only for a target loaded at a hub revision
 )
 
 
@@ -94,6 +95,8 @@ def lineage_tags(draft_dir: Path, sha: str) -> dict[str, str]:
     tags.update({f"metric.{name}": value for name, value in (provenance.get("metrics") or {}).items()})
     if provenance.get("resolved_config") is not None:
         tags["resolved_config"] = json.dumps(provenance["resolved_config"], sort_keys=True, default=str)
+        if revision := (provenance["resolved_config"].get("data") or {}).get("revision"):
+            tags["data.revision"] = revision  # the hub dataset's commit, beside target.target_revision
     return {key: str(value) for key, value in tags.items()}
 
 

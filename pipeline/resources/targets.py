@@ -76,10 +76,12 @@ def load_target(section: TargetSection, decoding: bool = False, device: str | No
     dtype = resolve_dtype(section.dtype, section.device)
     device = device or section.device
     if section.tiny is not None:
+        if section.revision is not None:
+            raise ValueError("target.revision pins an HF hub id; a tiny target is built in memory and has none")
         target = build_tiny_target(section.tiny, dtype)
         target.model.to(device)
     else:
-        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device)
+        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device, revision=section.revision)
     if decoding and section.prepack:
         target.prepack()
     return target
@@ -116,7 +118,9 @@ def _sha256_text(text: str | None) -> str:
 
 def target_fingerprint(target: TargetAdapter) -> dict[str, Any]:
     """What a feature store and a draft must agree on with the target they are used with
-    (computed once per target object: the weights hash reads every tensor)."""
+    (computed once per target object: the weights hash reads every tensor), plus ``target_revision``
+    when the target was loaded at a hub revision: lineage only, the hashes decide a match
+    (``pipeline.data.store.key_mismatches``), so stores and drafts made before revisions stay valid."""
     cached = getattr(target, "_fingerprint", None)
     if cached is not None:
         return cached
@@ -131,6 +135,8 @@ def target_fingerprint(target: TargetAdapter) -> dict[str, Any]:
         "vocab_size": target.vocab_size,
         "architecture": target.hf_config.model_type,
     }
+    if getattr(target, "revision", None):
+        target._fingerprint["target_revision"] = target.revision
     return target._fingerprint
 
 
@@ -140,9 +146,10 @@ def run_assets(cfg: RunConfig) -> dict[str, Any]:
     if cfg.target.tiny is not None:
         return {"target": name, "kind": "tiny (random, built in memory)", "path": None}
     start = time.perf_counter()
-    if name in ASSETS:
+    if name in ASSETS and cfg.target.revision is None:
         path, kind = str(prepare_asset(name)), f"asset (cache {default_cache_dir()})"
-    else:
-        path, kind = resolve_target_path(name), "local directory or HF hub id"
-    print(f"target {name}: {path}")
-    return {"target": name, "kind": kind, "path": path, "seconds": round(time.perf_counter() - start, 2)}
+    else:  # resolve_target_path refuses a revision for an asset or a directory
+        path, kind = resolve_target_path(name, cfg.target.revision), "local directory or HF hub id"
+    print(f"target {name}: {path}" + (f" at revision {cfg.target.revision}" if cfg.target.revision else ""))
+    found = {"target": name, "kind": kind, "path": path, "seconds": round(time.perf_counter() - start, 2)}
+    return {**found, "revision": cfg.target.revision} if cfg.target.revision else found
