@@ -139,7 +139,9 @@ class TrainSection(Section):
     schedule: list[StageSection] = Field(default_factory=lambda: [StageSection(stage=1, steps=100)])
     method: TrainConfig = Field(default_factory=TrainConfig, description="loss / optimizer hyper-parameters")
     init_from: str | None = Field(default=None, description="draft directory the first stage starts from")
-    features: Literal["offline", "online"] = Field(default="offline", description="read features.store, or compute online")
+    features: Literal["offline", "online"] = Field(
+        default="offline", description="read features.store, or compute online"
+    )
     num_workers: int = Field(default=1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0)
