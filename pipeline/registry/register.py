@@ -62,13 +62,15 @@ REPO = Path(__file__).resolve().parents[2]
 # models-from-code: a file MLflow stores and runs, not an import (serve sits above the registry)
 PYFUNC_CODE = REPO / "pipeline" / "serve" / "pyfunc.py"
 CODE_PATHS = (REPO / "griffin", REPO / "pipeline")
-# what griffin/ and pipeline/ import on the pyfunc's path (targets from assets: gguf, accelerate), by
-# distribution name; pinned to this environment's versions when a model is logged
+# what griffin/ and pipeline/ import on the pyfunc's path, by distribution name (sentencepiece: the
+# tokenizers of some targets; gguf, accelerate: targets built from assets), pinned to this
+# environment's versions when a model is logged; ray is not among them
 MODEL_REQUIREMENTS = (
     "mlflow",
     "torch",
     "transformers",
     "tokenizers",
+    "sentencepiece",
     "safetensors",
     "pydantic",
     "pyyaml",

@@ -42,7 +42,8 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
             self.draft.prepack()
         self.tree, self.defaults = TreeConfig(**config["tree"]), dict(config.get("params") or {})
 
-    def predict(self, context, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+    # model_input has no type hint: MLflow would derive an input schema from it (the signature has one)
+    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
         import torch
 
         from griffin.config import SamplingConfig

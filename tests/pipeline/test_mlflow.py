@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
@@ -79,7 +78,8 @@ def test_register_into_the_env_store(tmp_path, monkeypatch, target):
     assert len(versions(f"sqlite:///{tmp_path / 'elsewhere.db'}", "env-test")) == 1
     assert not (tmp_path / "out" / "mlflow.db").exists()
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    registry.register(load_config(repo / TINY, [f"output_dir={tmp_path / 'out'}", "registry.model_name=env-test"]))
+    cfg = load_config(repo / TINY, [f"output_dir={tmp_path / 'out'}", "registry.model_name=env-test"])
+    registry.register(cfg, tmp_path / "d")
     assert len(versions(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}", "env-test")) == 1  # config's default
 
 
@@ -102,7 +102,8 @@ def test_parent_run_children_and_model_metrics(tmp_path, target):
         assert again.info.run_id == parent.info.run_id
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
     model = client.get_logged_model(version["model_id"])
-    assert {m.key: m.value for m in model.metrics} == {"mt_bench/T0/tau": 2.5}
+    measured = {m.key: m.value for m in model.metrics}  # besides training's own (eval/sim_accept_len)
+    assert measured["mt_bench/T0/tau"] == 2.5 and not any("vanilla" in key for key in measured)
     runtime.setup_mlflow(cfg)
     alone = log_report(cfg, report, tmp_path / "eval", None)
     assert "mlflow.parentRunId" not in client.get_run(alone).data.tags
@@ -211,11 +212,12 @@ def test_registered_model_generates_text_from_its_own_code(tmp_path, target):
     assert {"torch", "transformers", "safetensors", "pydantic", "pyyaml"} <= {r.split("==")[0] for r in listed}
     installs = requirement_closure(listed)
     distributions = metadata.packages_distributions()
-    stdlib = set(sys.stdlib_module_names)
+    # dill: torch imports it when it is installed (torch.utils._import_utils), and runs without it
+    skip = set(sys.stdlib_module_names) | {"pipeline", "griffin", "dill"}
     missing = {
         module: distributions[module]
         for module in out["imported"]
-        if module not in stdlib and module in distributions and module not in ("pipeline", "griffin")
+        if module not in skip and module in distributions
         if not any(d.lower().replace("_", "-") in installs for d in distributions[module])
     }
     assert not missing, f"imported by the model but not in its requirements.txt: {missing}\n{requirements}"
