@@ -77,7 +77,7 @@ def test_register_alias_load(store, target, tmp_path):
     import mlflow
 
     pyfunc = mlflow.pyfunc.load_model("models:/load-test@candidate")  # generates text (tests/pipeline/test_mlflow.py)
-    texts = pyfunc.predict(["hi"], params={"max_new_tokens": 4})
+    texts = pyfunc.predict({"prompt": ["hi"]}, params={"max_new_tokens": 4})
     assert len(texts) == 1 and isinstance(texts[0], str)
 
 
