@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from griffin.config import SamplingConfig, TrainConfig, TreeConfig, Variant
+from pipeline.runtime import resolve_tracking
 
 
 class Section(BaseModel):
@@ -162,7 +163,8 @@ class TrainSection(Section):
 
 
 class TrackingSection(Section):
-    tracking_uri: str | None = Field(default=None, description="default sqlite:///<output_dir>/mlflow.db")
+    tracking_uri: str | None = Field(default=None, description="see pipeline.runtime.resolve_tracking")
+    registry_uri: str | None = Field(default=None, description="see pipeline.runtime.resolve_tracking")
     experiment: str = "griffin"
 
 
@@ -324,8 +326,8 @@ class RunConfig(Section):
         return self.data.model_copy(update={"source": self.regenerate.source, "limit": limit})
 
     @property
-    def tracking_uri(self) -> str:
-        return self.tracking.tracking_uri or f"sqlite:///{Path(self.output_dir).resolve() / 'mlflow.db'}"
+    def tracking_uri(self) -> str:  # filled in by config_from_dict (pipeline.runtime.resolve_tracking)
+        return self.tracking.tracking_uri
 
     @property
     def target_slug(self) -> str:
@@ -396,7 +398,8 @@ def _explain(error: ValidationError) -> str:
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     try:
-        return RunConfig(**data)
+        # no environment here: a config dict sent to a Ray worker keeps the URIs the driver resolved
+        return RunConfig(**resolve_tracking(data, environ={}))
     except ValidationError as error:
         raise ValueError(f"invalid run config: {_explain(error)}") from None
 
@@ -434,7 +437,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     data = read_yaml(Path(path))
     for item in overrides:
         apply_override(data, item)
-    return config_from_dict(_absolute_paths(data))
+    return config_from_dict(resolve_tracking(_absolute_paths(data)))  # MLFLOW_* env vars first
 
 
 def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:

@@ -8,12 +8,17 @@ regenerated set and the store skip done sample ids, training skips completed sta
 interrupted one from its checkpoint, registration is idempotent on the weights' hash, a tuned tree
 of the same draft, settings and machine is reused, and so is a finished evaluation of the same config,
 weights and machine.
+
+MLflow: one parent run per ``griffin run`` (resumed by a rerun on the same run directory), each stage
+a child run of it (see docs/design.md, "MLflow").
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pipeline.config import RunConfig
@@ -74,17 +79,50 @@ def results_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def _stage_run(cfg: RunConfig, name: str) -> Iterator[None]:
+    """A child run of ``griffin run``'s run for a stage that logs none of its own (featurize, promote...):
+    its parameters and numeric results (``_log_results``) land there."""
+    import mlflow
+
+    with mlflow.start_run(run_name=f"{cfg.run_name}-{name}", nested=True, tags={"griffin.stage": name}):
+        yield
+
+
+def _log_results(result: dict[str, Any]) -> None:
+    import mlflow
+
+    numbers = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    mlflow.log_metrics(numbers)
+    mlflow.log_dict(json.loads(json.dumps(result, default=str)), "result.json")
+
+
 def run_all(cfg: RunConfig) -> dict[str, Any]:
+    """Every stage in one parent MLflow run (``pipeline_run``: resumed by a rerun), each stage its child."""
+    from pipeline.runtime import ensure_ray, pipeline_run
+
+    banner = Banners(cfg)
+    ensure_ray(cfg)
+    with pipeline_run(cfg) as run:
+        say(f"MLflow run {run.info.run_id} in {cfg.tracking_uri}")
+        result = _stages(cfg, banner)
+    say(f"\nfinished in {time.time() - banner.started:.0f}s")
+    result["elapsed_s"] = time.time() - banner.started
+    (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))
+    return {
+        "locations": result["locations"],
+        "promotion": result["promotion"]["promoted"],
+        "elapsed_s": round(result["elapsed_s"]),
+    }
+
+
+def _stages(cfg: RunConfig, banner: Banners) -> dict[str, Any]:
     from pipeline.evaluate.evaluate import run_eval
     from pipeline.data.featurize import run_featurize
     from pipeline.registry.register import promote, register
-    from pipeline.runtime import ensure_ray
     from pipeline.resources.targets import load_target
     from pipeline.train.driver import run_train
 
-    banner = Banners(cfg)
-    started = banner.started
-    ensure_ray(cfg)
     banner("target")
     target = load_target(cfg.target)
     say(
@@ -96,21 +134,27 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
         from pipeline.data.regenerate import run_regenerate
 
         banner("regenerate")
-        run_regenerate(cfg)
+        with _stage_run(cfg, "regenerate"):
+            _log_results(run_regenerate(cfg))
     banner("featurize")
-    featurized = run_featurize(cfg)
+    with _stage_run(cfg, "featurize"):
+        featurized = run_featurize(cfg)
+        _log_results(featurized)
     banner("train")
-    trained = run_train(cfg)
+    trained = run_train(cfg)  # a child run per stage (pipeline.train.driver)
     banner("register")
-    version = register(cfg, trained["best"])
+    version = register(cfg, trained["best"])  # inside the training run, or a child run of its own
     say(f"registered {version['model_uri']} (candidate; {'new' if version['created'] else 'already registered'})")
     if "tune-tree" in banner.steps:
         banner("tune-tree")
-        cfg = _tuned(cfg, version["model_uri"])
+        with _stage_run(cfg, "tune-tree"):
+            cfg = _tuned(cfg, version["model_uri"])
     banner("evaluate")
-    summary = run_eval(cfg, draft=version["model_uri"], reuse_finished=True)
+    summary = run_eval(cfg, draft=version["model_uri"], reuse_finished=True)  # a child run (report.log_report)
     banner("promote")
-    promotion = promote(cfg, version["version"])
+    with _stage_run(cfg, "promote"):
+        promotion = promote(cfg, version["version"])
+        _log_results(promotion)
     say(f"promotion: {'champion' if promotion['promoted'] else 'not promoted'} ({promotion['reason']})")
 
     table = results_table(summary)
@@ -125,14 +169,4 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     say("\n" + table + "\n")
     for name, where in locations.items():
         say(f"{name:>13}: {where}")
-    say(f"\nfinished in {time.time() - started:.0f}s")
-    result = {
-        "table": table,
-        "locations": locations,
-        "promotion": promotion,
-        "summary": summary,
-        "featurize": featurized,
-        "elapsed_s": time.time() - started,
-    }
-    (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))
-    return {"locations": locations, "promotion": promotion["promoted"], "elapsed_s": round(result["elapsed_s"])}
+    return {"table": table, "locations": locations, "promotion": promotion, "summary": summary, "featurize": featurized}

@@ -3,18 +3,25 @@
 Local default (docs/design.md): ``ray.init(address="local", num_cpus=...)``, with its own State API
 server on 127.0.0.1 (``ensure_ray`` says why), unless
 ``cluster.address`` or ``RAY_ADDRESS`` names a cluster; token auth and usage stats off for the local
-cluster. MLflow: the run's tracking URI (embedded sqlite by default) for tracking and registry.
+cluster. MLflow: the tracking and registry URIs that ``resolve_tracking`` decides (the ``MLFLOW_*``
+environment variables, then the config, then an embedded sqlite store in the output directory),
+``griffin run``'s parent run (``pipeline_run``) and the feature store as a dataset (``feature_dataset``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from pipeline.config import RunConfig
+if TYPE_CHECKING:  # pipeline.config imports resolve_tracking from here
+    from pipeline.config import RunConfig
 
 LOCAL_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+TRACKING_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 
 
 def ensure_ray(cfg: RunConfig) -> None:
@@ -58,15 +65,45 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _absolute_sqlite(uri: str) -> str:
+    """``sqlite:///relative.db`` is relative to where the command runs: pinned to an absolute path here,
+    on the driver, since workers and replicas run elsewhere."""
+    path = uri.removeprefix("sqlite:///")
+    if not uri.startswith("sqlite:///") or path.startswith("/") or not path:
+        return uri
+    return f"sqlite:///{Path(path).expanduser().resolve()}"
+
+
+def resolve_tracking(data: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The one place MLflow's URIs are decided: ``MLFLOW_TRACKING_URI`` (``environ``, default the process's
+    environment), else ``tracking.tracking_uri``, else ``sqlite:///<output_dir>/mlflow.db``; the registry:
+    ``MLFLOW_REGISTRY_URI``, else ``tracking.registry_uri``, else the tracking URI. Returns ``data`` with
+    both filled in, so ``cfg.resolved()`` carries them to every process."""
+    environ = os.environ if environ is None else environ
+    tracking = data.get("tracking") or {}
+    if not isinstance(tracking, dict):  # config_from_dict names the bad section
+        return data
+    default = f"sqlite:///{Path(data.get('output_dir', 'outputs')).resolve() / 'mlflow.db'}"
+    uri = _absolute_sqlite(environ.get("MLFLOW_TRACKING_URI") or tracking.get("tracking_uri") or default)
+    registry = environ.get("MLFLOW_REGISTRY_URI") or tracking.get("registry_uri") or uri
+    return {**data, "tracking": {**tracking, "tracking_uri": uri, "registry_uri": _absolute_sqlite(registry)}}
+
+
 def setup_mlflow(cfg: RunConfig):
-    """Point MLflow at the run's tracking store (and registry); returns the mlflow module."""
+    """Point MLflow at the run's tracking store and registry (``resolve_tracking``); returns the mlflow module."""
     import mlflow
 
     uri = cfg.tracking_uri
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    user_env = {name: os.environ.get(name) for name in TRACKING_ENV}
     mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    mlflow.set_registry_uri(cfg.tracking.registry_uri or uri)
+    # MLflow exports what it was set to into this process's environment; but that environment is the
+    # user's word, read first by load_config, so a later config in this process (tests, a Serve app
+    # built from a file) must not inherit this config's URIs as if the user had set them
+    for name, value in user_env.items():
+        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
     artifact_root = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
     if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
         try:
@@ -78,3 +115,46 @@ def setup_mlflow(cfg: RunConfig):
                 raise
     mlflow.set_experiment(cfg.tracking.experiment)
     return mlflow
+
+
+def recorded_run(mlflow: Any, run_id_file: Path) -> str | None:
+    """The run id in ``run_id_file`` when this tracking store holds that run (not deleted), else None."""
+    if not run_id_file.is_file():
+        return None
+    run_id = run_id_file.read_text().strip()
+    try:
+        return run_id if mlflow.MlflowClient().get_run(run_id).info.lifecycle_stage == "active" else None
+    except mlflow.exceptions.MlflowException:  # recorded in another tracking store
+        return None
+
+
+@contextmanager
+def pipeline_run(cfg: RunConfig) -> Iterator[Any]:
+    """``griffin run``'s parent MLflow run, active while the stages run: each stage's run starts nested
+    (``mlflow.start_run(nested=True)``), so it is this run's child; without it (``griffin train``
+    alone) a stage's run is top-level. A rerun on the same run directory resumes the same parent
+    (its id is kept in ``<run_dir>/mlflow_run_id``)."""
+    mlflow = setup_mlflow(cfg)
+    run_id_file = cfg.run_dir / "mlflow_run_id"
+    run_id = recorded_run(mlflow, run_id_file)
+    tags = {"griffin.stage": "run", "griffin.run_dir": str(cfg.run_dir)}
+    where = {"run_id": run_id} if run_id else {"run_name": cfg.run_name, "tags": tags}
+    with mlflow.start_run(**where, log_system_metrics=False) as run:  # stages' work runs elsewhere
+        if run_id is None:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            run_id_file.write_text(run.info.run_id)
+            mlflow.log_dict(cfg.resolved(), "resolved_config.json")
+        try:
+            yield run
+        finally:
+            mlflow.flush_async_logging()  # a run ends with everything it logged in the store
+
+
+def feature_dataset(source: str, digest: str, name: str | None = None) -> Any:
+    """The features a training run read as an MLflow dataset (``mlflow.log_input``): the store (or, for
+    online features, the conversations they were computed from) and the digest of its manifest, so a
+    training run names exactly the features it read."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    return MetaDataset(resolve_dataset_source(source), name=name or Path(source).name, digest=digest[:36])

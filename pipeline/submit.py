@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.runtime import TRACKING_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {
@@ -54,6 +55,8 @@ def runtime_env(cfg: RunConfig) -> dict[str, Any]:
         "excludes": EXCLUDES,
         "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "GRIFFIN_CACHE_DIR": os.environ.get("GRIFFIN_CACHE_DIR", "")},
     }
+    # the job's driver loads the config there: the submitter's MLFLOW_* URIs still come first
+    env["env_vars"].update({name: os.environ.get(name, "") for name in TRACKING_ENV})
     extra = dict(cfg.cluster.runtime_env)
     env["env_vars"] = {k: v for k, v in {**env["env_vars"], **extra.pop("env_vars", {})}.items() if v}
     return {**env, **extra}

@@ -284,7 +284,8 @@ def write_reports(eval_dir: Path, report: dict[str, Any], records: list[dict[str
 
 
 def _registry_version(uri: str | None) -> dict[str, str]:
-    """{'draft_model_name', 'draft_model_version'} for a models:/name@alias or models:/name/version URI."""
+    """{'draft_model_name', 'draft_model_version', 'draft_model_id'} for a models:/name@alias or
+    models:/name/version URI (the model id: the MLflow 3 logged model the version points at)."""
     if not uri or not uri.startswith("models:/"):
         return {}
     from mlflow import MlflowClient
@@ -294,7 +295,18 @@ def _registry_version(uri: str | None) -> dict[str, str]:
         version = client.get_model_version_by_alias(*path.split("@", 1))
     else:
         version = client.get_model_version(*path.rsplit("/", 1))
-    return {"draft_model_name": version.name, "draft_model_version": str(version.version)}
+    model_id = version.model_id or (version.source or "").removeprefix("models:/")
+    return {"draft_model_name": version.name, "draft_model_version": str(version.version), "draft_model_id": model_id}
+
+
+def _log_model_metrics(mlflow: Any, metrics: dict[str, float], drafts: dict[str, str | None]) -> None:
+    """Each registered draft's own measurements (``<dataset>/T<t>/<metric>/<label>``) also on its logged
+    model (``model_id``), so the model's page in MLflow shows what it was measured at."""
+    for label, uri in drafts.items():
+        model_id = _registry_version(uri).get("draft_model_id")
+        ours = {key.removesuffix(f"/{label}"): value for key, value in metrics.items() if key.endswith(f"/{label}")}
+        if model_id and ours:
+            mlflow.log_metrics(ours, model_id=model_id)
 
 
 def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str | None) -> str:
@@ -305,10 +317,12 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
 
     mlflow = setup_mlflow(cfg)
     tags = {"stage": "eval", "draft_uri": str(draft_uri), **_registry_version(draft_uri)}
-    with mlflow.start_run(run_name=f"{cfg.run_name}-eval", tags=tags) as run:
+    # nested: a child of `griffin run`'s run when one is active, a top-level run otherwise
+    with mlflow.start_run(run_name=f"{cfg.run_name}-eval", tags=tags, nested=True) as run:
         mlflow.log_metrics(report["metrics"])
         mlflow.log_dict(cfg.resolved(), "config.json")
         mlflow.log_artifacts(str(eval_dir), "eval")
+        _log_model_metrics(mlflow, report["metrics"], {"griffin": draft_uri, **cfg.eval.extra_drafts})
     # each registered draft's version gets its own measured tau (tags eval.<dataset>.T<t>.tau), for promotion;
     # tau depends on the tree budget, so the version also says which tree and which run measured it
     tree = cfg.eval_tree

@@ -1,9 +1,12 @@
 """The MLflow model registry stage: register a draft with lineage, gate promotion on τ, load by URI.
 
-``register(cfg, checkpoint)`` logs the draft directory as an MLflow 3 logged model (a pyfunc whose
-artifact is the directory, unchanged) inside its training run when that run is in this tracking
-store, else inside a new registration run; registers it as ``cfg.model_name`` with lineage tags
-and points alias ``candidate`` at it. ``promote(cfg, version, tau, benchmark)`` records τ and moves
+``register(cfg, checkpoint)`` logs the draft directory as an MLflow 3 logged model inside its training
+run when that run is in this tracking store, else inside a new registration run (a child of ``griffin
+run``'s run when one is active); registers it as ``cfg.model_name`` with lineage tags and points alias
+``candidate`` at it. The logged model is a pyfunc that generates text (``pipeline/serve/pyfunc.py``,
+logged as models-from-code with this repository's ``griffin`` and ``pipeline`` as ``code_paths`` and
+the packages they import, pinned, as its requirements); its artifact ``draft`` is the draft directory,
+unchanged, which is what ``pipeline.resources.drafts`` resolves. ``promote(cfg, version, tau, benchmark)`` records τ and moves
 alias ``champion`` only when τ beats the champion's τ on the same benchmark.
 
 Idempotency: a version is identified by ``weights_sha256`` (a hash of the draft's tensors).
@@ -56,11 +59,66 @@ def default_checkpoint(cfg: RunConfig) -> Path:
     return cfg.run_dir / "train" / "best"
 
 
+REPO = Path(__file__).resolve().parents[2]
+# models-from-code: a file MLflow stores and runs, not an import (serve sits above the registry)
+PYFUNC_CODE = REPO / "pipeline" / "serve" / "pyfunc.py"
+CODE_PATHS = (REPO / "griffin", REPO / "pipeline")
+# what griffin/ and pipeline/ import on the pyfunc's path, by distribution name (sentencepiece: the
+# tokenizers of some targets; gguf, accelerate: targets built from assets), pinned to this
+# environment's versions when a model is logged; ray is not among them
+MODEL_REQUIREMENTS = (
+    "mlflow",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "sentencepiece",
+    "safetensors",
+    "pydantic",
+    "pyyaml",
+    "fastapi",
+    "numpy",
+    "pandas",
+    "gguf",
+    "accelerate",
+)
+PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+
+
+def model_requirements() -> list[str]:
+    """``MODEL_REQUIREMENTS`` pinned to the installed versions (a local build tag such as ``+cpu`` left
+    out: the pin must resolve on a package index)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return [f"{name}=={Version(version(name)).public}" for name in MODEL_REQUIREMENTS]
+
+
+def pyfunc_signature() -> Any:
+    """Input: a ``prompt`` string column; output: one string per prompt; ``params``: ``PREDICT_PARAMS``."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    kinds = {int: "long", float: "double"}
+    params = ParamSchema([ParamSpec(name, kinds[type(value)], value) for name, value in PREDICT_PARAMS.items()])
+    return ModelSignature(Schema([ColSpec("string", "prompt")]), Schema([ColSpec("string")]), params)
+
+
+def pyfunc_config(cfg: RunConfig) -> dict[str, Any]:
+    """What ``pipeline/serve/pyfunc.py`` loads with: the target the draft's lineage was checked against,
+    the tree, the default ``params``; ``device`` (None: the target section's) may be overridden at load."""
+    return {
+        "target": cfg.target.model_dump(mode="json"),
+        "tree": cfg.decode.tree.model_dump(mode="json"),
+        "params": PREDICT_PARAMS,
+        "device": None,
+    }
+
+
 class DraftPyfunc(mlflow.pyfunc.PythonModel):
-    """The registered model: the draft directory as artifact ``draft``. A draft cannot propose
-    tokens alone (its target's frozen embedding and LM head are deliberately not stored with it), so
-    ``predict`` does not decode: it returns the draft's ``"config"``, ``"provenance"`` or
-    ``"draft_dir"`` as JSON, to check a pairing. Decode via ``pipeline.resources.drafts.load_draft_uri``."""
+    """What versions registered before the text-generating pyfunc pickled (their ``predict`` returns the
+    draft's ``"config"``, ``"provenance"`` or ``"draft_dir"`` as JSON): kept so that they still load.
+    New versions log ``pipeline/serve/pyfunc.py``."""
 
     def load_context(self, context) -> None:
         self.draft_dir = Path(context.artifacts[ARTIFACT_KEY])
@@ -160,9 +218,12 @@ def register(cfg: RunConfig, checkpoint: str | Path | None = None) -> dict[str, 
             shutil.copy2(draft_dir / file, staged / file)
         info = mlflow.pyfunc.log_model(
             name=LOGGED_MODEL_NAME,
-            python_model=DraftPyfunc(),
+            python_model=str(PYFUNC_CODE),
             artifacts={ARTIFACT_KEY: str(staged)},
-            pip_requirements=[f"mlflow=={mlflow.__version__}", "torch", "safetensors", "pydantic"],
+            code_paths=[str(path) for path in CODE_PATHS],
+            model_config=pyfunc_config(cfg),
+            signature=pyfunc_signature(),
+            pip_requirements=model_requirements(),
             tags={"weights_sha256": sha},
         )
         numeric = {k: float(v) for k, v in (provenance.get("metrics") or {}).items() if isinstance(v, (int, float))}

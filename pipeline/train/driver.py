@@ -27,7 +27,7 @@ from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
 from pipeline.config import RunConfig, StageSection
 from pipeline.console import Progress, say
-from pipeline.runtime import ensure_ray, setup_mlflow
+from pipeline.runtime import ensure_ray, feature_dataset, recorded_run, setup_mlflow
 from pipeline.data.store import check_capture_key, part_files
 from pipeline.train.feed import data_config, online_datasets, stored_datasets
 from pipeline.resources.drafts import check_lineage, resolve_draft
@@ -117,7 +117,8 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     plan = stage_plan(cfg, stage)
     run_id_file = out / "mlflow_run_id"
     if not _run_exists(mlflow, run_id_file):  # reuse the MLflow run when an interrupted stage resumes
-        with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}") as run:
+        # nested: a child of `griffin run`'s run when one is active, a top-level run otherwise
+        with mlflow.start_run(run_name=f"{cfg.run_name}-stage{stage.stage}", nested=True) as run:
             mlflow.log_params(
                 {
                     "variant": cfg.draft.variant,
@@ -129,6 +130,11 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
                 }
             )
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
+            digest = context["provenance"]["feature_manifest_sha256"]
+            online = cfg.train.features == "online"
+            source = str(cfg.training_data.source) if online else cfg.store_path
+            dataset = feature_dataset(source, digest, f"online:{Path(source).name}" if online else None)
+            mlflow.log_input(dataset, context="training", tags={"sha256": digest, "features": cfg.train.features})
             run_id_file.write_text(run.info.run_id)
     run_id = run_id_file.read_text().strip()
     loop_config = {
@@ -142,7 +148,11 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         "stage_dir": str(out.resolve()),
         "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id, "init_from": init_dir},
     }
-    with _console_progress(stage, [s.stage for s in cfg.train.schedule]) as (progress, channel):
+    with (
+        _console_progress(stage, [s.stage for s in cfg.train.schedule]) as (progress, channel),
+        # RUNNING while the workers log into it: rank 0's system metrics monitor stops when it ends
+        mlflow.start_run(run_id=run_id, nested=True, log_system_metrics=False),
+    ):
         result = _trainer(cfg, stage, {**loop_config, "progress": channel}, context["datasets"]).fit()
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
     progress.update(stage.steps)
@@ -157,13 +167,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
 
 
 def _run_exists(mlflow, run_id_file: Path) -> bool:
-    if not run_id_file.exists():
-        return False
-    try:
-        mlflow.tracking.MlflowClient().get_run(run_id_file.read_text().strip())
-        return True
-    except mlflow.exceptions.MlflowException:  # recorded in another tracking store
-        return False
+    return recorded_run(mlflow, run_id_file) is not None  # not when recorded in another tracking store
 
 
 def _log_curves(mlflow, run_id: str, out: Path) -> None:

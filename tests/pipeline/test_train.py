@@ -125,6 +125,9 @@ def test_three_stage_schedule_two_workers(schedule_run):
     checkpointed = [scores[s] for s in (2, 4)]
     assert summary["stages"][0]["best_metrics"][SCORE] == pytest.approx(max(checkpointed))
     assert "curves.png" in [a.path for a in client.list_artifacts(run_id)]
+    (features,) = client.get_run(run_id).inputs.dataset_inputs  # the store, by its manifest's digest
+    assert features.dataset.digest == provenance["feature_manifest_sha256"][:36]
+    assert client.get_run(run_id).info.status == "FINISHED"
 
 
 @pytest.mark.timeout(900)

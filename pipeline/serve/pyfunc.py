@@ -1,0 +1,83 @@
+"""The registered model as an MLflow pyfunc that generates text: the draft and its target, decoding
+speculatively.
+
+``mlflow.pyfunc.load_model("models:/<name>@champion").predict(pd.DataFrame({"prompt": [...]}),
+params={"max_new_tokens": 64, "temperature": 0.0})`` returns one completion per prompt: each prompt is a
+user turn through the target's chat template (``pipeline.data.chat.render_chat``, as the server renders
+it), decoded by ``griffin.decode.speculative_generate`` and cut at the stop token like the server's text
+(``completion_text``).
+
+``pipeline.registry.register`` logs this file as models-from-code: MLflow stores it with the model and
+runs it at load time, after putting the model's ``code_paths`` (this repository's ``griffin`` and
+``pipeline`` packages) on ``sys.path``; nothing is pickled. The model's config (``model_config``)
+records the ``target`` section that registration checked the draft's lineage against, the tree and the
+default ``params``; loading builds that target, checks the lineage again and binds the draft to it.
+``load_model(uri, model_config={"device": "cuda"})`` places the target elsewhere than recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlflow
+
+
+class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
+    def load_context(self, context) -> None:
+        from griffin.checkpoint import load_draft
+        from griffin.config import TreeConfig
+        from pipeline.config import TargetSection
+        from pipeline.resources.drafts import ARTIFACT_KEY, check_lineage
+        from pipeline.resources.targets import load_target
+
+        config = context.model_config
+        section = TargetSection(**config["target"])
+        if config.get("device"):
+            section = section.model_copy(update={"device": config["device"]})
+        self.target = load_target(section, decoding=True)
+        draft_dir = context.artifacts[ARTIFACT_KEY]
+        check_lineage(draft_dir, self.target, "the registered model's draft")
+        self.draft = load_draft(draft_dir, self.target, dtype=self.target.dtype)
+        if self.target.packed:  # a pre-packed target decodes with a pre-packed draft (load_draft_uri does too)
+            self.draft.prepack()
+        self.tree, self.defaults = TreeConfig(**config["tree"]), dict(config.get("params") or {})
+
+    # model_input has no type hint: MLflow would derive an input schema from it (the signature has one)
+    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
+        import torch
+
+        from griffin.config import SamplingConfig
+        from griffin.decode import speculative_generate
+        from pipeline.data.chat import render_chat
+        from pipeline.serve.protocol import completion_text
+
+        settings = {**self.defaults, **(params or {})}
+        temperature = float(settings.get("temperature", 0.0))
+        sampling = SamplingConfig(
+            temperature=temperature, top_p=float(settings.get("top_p", 1.0)) if temperature else 1.0
+        )
+        texts = []
+        for prompt in prompts(model_input):
+            prompt_ids = render_chat(self.target.tokenizer, [{"role": "user", "content": prompt}])
+            max_new = min(int(settings.get("max_new_tokens", 64)), self.target.max_context - len(prompt_ids))
+            generator = torch.Generator(device=self.target.device).manual_seed(int(settings.get("seed", 0)))
+            ids = torch.tensor([prompt_ids], device=self.target.device)  # (1, T)
+            result = speculative_generate(self.target, self.draft, ids, self.tree, sampling, max_new, generator)
+            texts.append(completion_text(self.target.tokenizer, result.tokens, self.target.stop_token_ids, [])[0])
+        return texts
+
+
+def prompts(model_input: Any) -> list[str]:
+    """The prompts of a pyfunc input: a DataFrame's ``prompt`` column (or its only column), a Series, a
+    list of strings, one string, or ``{"prompt": [...]}``."""
+    if hasattr(model_input, "columns"):  # a pandas DataFrame
+        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
+        model_input = model_input[column]
+    elif isinstance(model_input, dict):
+        model_input = model_input["prompt"]
+    if isinstance(model_input, str):
+        return [model_input]
+    return [str(item) for item in list(model_input)]
+
+
+mlflow.models.set_model(SpeculativePyfunc())
