@@ -1,8 +1,8 @@
 """``griffin run -c CONFIG``: every stage end to end on one Ray cluster (local by default).
 
-target -> [regenerate] -> featurize -> train (stages 1..N) -> register (candidate) -> [tune-tree]
+target -> [regenerate] -> [featurize] -> train (stages 1..N) -> register (candidate) -> [tune-tree]
 -> evaluate through Ray Serve -> promote (champion if τ wins) -> results table. ``regenerate`` runs
-when ``data.source`` is ``regenerated``; ``tune-tree`` when ``decode.tune`` is set, and the
+when ``data.source`` is ``regenerated``; ``featurize`` unless ``train.features`` is ``online``; ``tune-tree`` when ``decode.tune`` is set, and the
 evaluation then decodes with the tree it picked. Every stage resumes instead of redoing: the
 regenerated set and the store skip done sample ids, training skips completed stages and resumes an
 interrupted one from its checkpoint, registration is idempotent on the weights' hash, a tuned tree
@@ -26,7 +26,11 @@ from pipeline.console import say
 
 
 def steps(cfg: RunConfig) -> list[str]:
-    optional = {"regenerate": cfg.data.source == "regenerated", "tune-tree": cfg.decode.tune}
+    optional = {
+        "regenerate": cfg.data.source == "regenerated",
+        "featurize": cfg.train.features == "offline",  # online: training computes the features it reads
+        "tune-tree": cfg.decode.tune,
+    }
     names = ["target", "regenerate", "featurize", "train", "register", "tune-tree", "evaluate", "promote"]
     return [name for name in names if optional.get(name, True)]
 
@@ -136,10 +140,12 @@ def _stages(cfg: RunConfig, banner: Banners) -> dict[str, Any]:
         banner("regenerate")
         with _stage_run(cfg, "regenerate"):
             _log_results(run_regenerate(cfg))
-    banner("featurize")
-    with _stage_run(cfg, "featurize"):
-        featurized = run_featurize(cfg)
-        _log_results(featurized)
+    featurized = None
+    if "featurize" in banner.steps:
+        banner("featurize")
+        with _stage_run(cfg, "featurize"):
+            featurized = run_featurize(cfg)
+            _log_results(featurized)
     banner("train")
     trained = run_train(cfg)  # a child run per stage (pipeline.train.driver)
     banner("register")
@@ -160,7 +166,7 @@ def _stages(cfg: RunConfig, banner: Banners) -> dict[str, Any]:
     table = results_table(summary)
     locations = {
         "report": str(cfg.run_dir / "eval" / "report.md"),
-        "feature_store": cfg.store_path,
+        "feature_store": cfg.store_path if featurized else "none (train.features=online)",
         "checkpoints": str(cfg.run_dir / "train"),
         "best_draft": trained["best"],
         "mlflow": cfg.tracking_uri,

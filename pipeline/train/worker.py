@@ -13,6 +13,8 @@ import gc
 import json
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -194,16 +196,48 @@ def _report_rank0(
     )
     config["progress"].update.remote(step, loss, report.get(SCORE))
     now = int(time.time() * 1000)
-    client.log_batch(config["mlflow_run_id"], metrics=[Metric(k, float(v), now, step) for k, v in report.items()])
+    metrics = [Metric(k, float(v), now, step) for k, v in report.items()]
+    client.log_batch(config["mlflow_run_id"], metrics=metrics, synchronous=False)  # off the step's critical path
+
+
+@contextmanager
+def _rank0_tracking(cfg: RunConfig, run_id: str, rank: int) -> Iterator[Any]:
+    """Rank 0's MLflow client for the stage's run (None on other ranks), with the node's system metrics
+    (``system/rank0/*``) sampled into that run meanwhile; queued metrics are flushed on the way out.
+    The URI is the driver's (``cfg.tracking_uri``), never this worker's environment."""
+    if rank != 0:
+        yield None
+        return
+    import mlflow
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    from mlflow.tracking import MlflowClient
+
+    monitor = SystemMetricsMonitor(
+        run_id, sampling_interval=10, resume_logging=True, node_id="rank0", tracking_uri=cfg.tracking_uri
+    )
+    monitor.start()
+    try:
+        yield MlflowClient(cfg.tracking_uri)
+    finally:
+        monitor.finish()
+        mlflow.set_tracking_uri(cfg.tracking_uri)  # MLflow keeps one store per URI: this flushes the client's queue
+        mlflow.flush_async_logging()
 
 
 def train_worker(config: dict[str, Any]) -> None:
+    import ray.train
+
+    cfg = config_from_dict(config["run"])
+    with _rank0_tracking(cfg, config["mlflow_run_id"], ray.train.get_context().get_world_rank()) as client:
+        _train(config, cfg, client)
+
+
+def _train(config: dict[str, Any], cfg: RunConfig, client: Any) -> None:
     import ray
     import ray.train
     import ray.train.torch
-    from mlflow.tracking import MlflowClient
 
-    cfg, stage = config_from_dict(config["run"]), StageSection(**config["stage"])
+    stage = StageSection(**config["stage"])
     method, plan = cfg.train.method, StagePlan(**config["plan"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -218,7 +252,6 @@ def train_worker(config: dict[str, Any]) -> None:
     feed = ShardFeed(shard, rank, world, cfg.train.seed, cfg.train.batch_tokens, device, epoch, taken)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
-    client = MlflowClient(cfg.tracking_uri) if rank == 0 else None
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
     started, tokens_done, first_step = time.time(), 0.0, step
 
