@@ -2,8 +2,8 @@
 
 target -> [regenerate] -> [featurize] -> train (stages 1..N) -> register (candidate) -> [tune-tree]
 -> evaluate through Ray Serve -> promote (champion if τ wins) -> results table. ``regenerate`` runs
-when ``data.source`` is ``regenerated``; ``featurize`` unless ``train.features`` is ``online``; ``tune-tree`` when ``decode.tune`` is set, and the
-evaluation then decodes with the tree it picked. Every stage resumes instead of redoing: the
+when ``data.source`` is ``regenerated``; ``featurize`` unless ``train.features`` is ``online``;
+``tune-tree`` when ``decode.tune`` is set, and the evaluation then decodes with the tree it picked. Every stage resumes instead of redoing: the
 regenerated set and the store skip done sample ids, training skips completed stages and resumes an
 interrupted one from its checkpoint, registration is idempotent on the weights' hash, a tuned tree
 of the same draft, settings and machine is reused, and so is a finished evaluation of the same config,
