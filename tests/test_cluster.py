@@ -153,8 +153,9 @@ def submit(stage, address, tmp_path, *overrides):
 
 @pytest.mark.timeout(900)
 def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
+    rows = "data.limit=96"  # enough rows for several blocks per rank (pipeline.train.feed.ROWS_PER_BLOCK)
     featurize = submit(
-        "featurize", two_node_cluster, tmp_path, "features.num_actors=2", "features.resources={griffin_slot: 1}"
+        "featurize", two_node_cluster, tmp_path, rows, "features.num_actors=2", "features.resources={griffin_slot: 1}"
     )
     assert featurize.returncode == 0, featurize.stdout[-3000:] + featurize.stderr[-3000:]
     assert "SUCCEEDED" in featurize.stdout
@@ -165,26 +166,28 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
         "train",
         two_node_cluster,
         tmp_path,
+        rows,
         "train.num_workers=2",
         "train.resources={griffin_slot: 1}",
-        "train.schedule=[{stage: 1, steps: 3}]",
-        "train.checkpoint_every=3",
+        "train.schedule=[{stage: 1, steps: 16}]",
+        "train.checkpoint_every=16",
     )
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
-    nodes = {
-        json.loads(line)["node"]
+    audit = [
+        [json.loads(line) for line in (tmp_path / "cluster" / "train" / "stage1" / f"data_rank{r}.jsonl").open()]
         for r in (0, 1)
-        for line in (tmp_path / "cluster" / "train" / "stage1" / f"data_rank{r}.jsonl").read_text().splitlines()
-    }
-    assert len(nodes) == 2
+    ]
+    assert len({records[0]["node"] for records in audit}) == 2
+    check_each_rank_reads_its_share(audit, manifest, tmp_path / "cluster" / "features")
     assert (tmp_path / "cluster" / "train" / "best" / "model.safetensors").exists()
 
     # a stage's own flags travel with the job: stage 1 is done, `--stage 2` trains only stage 2 from it
-    two_stages = "train.schedule=[{stage: 1, steps: 3}, {stage: 2, steps: 2}]"
+    two_stages = "train.schedule=[{stage: 1, steps: 16}, {stage: 2, steps: 2}]"
     second = submit(
         "train",
         two_node_cluster,
         tmp_path,
+        rows,
         "--stage",
         "2",
         "train.num_workers=2",
@@ -196,6 +199,22 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
     assert "jobs.train -c jobs/configs/tiny.yaml --stage 2" in second.stdout
     assert "stage 1 already complete" in second.stdout
     assert (tmp_path / "cluster" / "train" / "stage2" / "_complete.json").exists()
+
+
+def check_each_rank_reads_its_share(audit: list[list[dict]], manifest: dict, store: Path) -> None:
+    """Each rank read one epoch of its own split: equal rows, about half the store's bytes each (the
+    columns a GRIFFIN draft reads), never the whole store."""
+    import pyarrow.parquet as pq
+
+    from pipeline.train.feed import feature_columns
+
+    columns = feature_columns(manifest["capture_key"]["dtype"], layers=False)
+    store_bytes = sum(pq.read_table(store / part["file"], columns=columns).nbytes for part in manifest["files"])
+    epochs = [records[-1]["epochs_read"][0] for records in audit]  # epoch 0, read to its end by both ranks
+    assert epochs[0]["rows"] == epochs[1]["rows"] > 0
+    shares = [epoch["bytes"] / store_bytes for epoch in epochs]
+    print(f"bytes read per rank in epoch 0: {[e['bytes'] for e in epochs]} of {store_bytes} (shares {shares})")
+    assert all(0.35 < share < 0.6 for share in shares), shares  # ~(1 - eval_fraction) / 2 each
 
 
 # Run beside the `ray start` cluster: a local `griffin` Ray must answer State API queries about its own

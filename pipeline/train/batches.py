@@ -125,10 +125,12 @@ class ShardFeed:
         self.batch_tokens, self.device = batch_tokens, device
         self.epoch, self.taken = epoch, taken
         self.block_bytes: list[int] = []  # bytes of every block this rank received, this attempt
+        self.finished: list[dict[str, int]] = []  # epochs read to the end: their rows and bytes on this rank
         self._start_epoch(skip=taken)
 
     def _start_epoch(self, skip: int) -> None:
         rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}")
+        self._epoch_start = len(self.block_bytes)
         self._rows = windowed_shuffle(shard_rows(self.shard, self.block_bytes), rng)
         self._ahead: list[dict] = []
         for _ in range(skip):  # rows the interrupted attempt trained on in this epoch
@@ -166,6 +168,8 @@ class ShardFeed:
                     f"rank {self.rank} of {self.world} got no training rows: the store's train split is too "
                     "small for this many workers"
                 )
+            read = sum(self.block_bytes[self._epoch_start :])  # the whole share, skipped rows included
+            self.finished.append({"epoch": self.epoch, "rows": self.taken, "bytes": read})
             self.epoch, self.taken = self.epoch + 1, 0
             self._start_epoch(skip=0)
             return self.take()

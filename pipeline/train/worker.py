@@ -161,8 +161,9 @@ def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bo
 
 
 def _audit(stage_dir: Path, rank: int, step: int, ids: tuple, feed: ShardFeed) -> None:
-    """The data audit trail: which samples each rank trained on at each step, on which node, and the
-    bytes of the blocks it has read so far in this attempt."""
+    """The data audit trail: which samples each rank trained on at each step, on which node, the bytes
+    of the blocks it has read so far in this attempt, and the rows and bytes of each epoch it read to
+    the end."""
     import ray
 
     record = {
@@ -170,6 +171,7 @@ def _audit(stage_dir: Path, rank: int, step: int, ids: tuple, feed: ShardFeed) -
         "node": ray.get_runtime_context().get_node_id(),
         "sample_ids": [s for b in ids for s in b],
         "bytes_read": sum(feed.block_bytes),
+        "epochs_read": feed.finished,
     }
     with open(stage_dir / f"data_rank{rank}.jsonl", "a") as log:
         log.write(json.dumps(record) + "\n")
