@@ -6,8 +6,9 @@ run``'s run when one is active); registers it as ``cfg.model_name`` with lineage
 ``candidate`` at it. The logged model is a pyfunc that generates text (``pipeline/serve/pyfunc.py``,
 logged as models-from-code with this repository's ``griffin`` and ``pipeline`` as ``code_paths`` and
 the packages they import, pinned, as its requirements); its artifact ``draft`` is the draft directory,
-unchanged, which is what ``pipeline.resources.drafts`` resolves. ``promote(cfg, version, tau, benchmark)`` records τ and moves
-alias ``champion`` only when τ beats the champion's τ on the same benchmark.
+unchanged, which is what ``pipeline.resources.drafts`` resolves. ``promote(cfg, version, tau,
+benchmark)`` records τ and moves alias ``champion`` only when τ beats the champion's τ on the same
+benchmark.
 
 Idempotency: a version is identified by ``weights_sha256`` (a hash of the draft's tensors).
 Registering a checkpoint whose weights are already registered under this name creates nothing:
