@@ -215,6 +215,8 @@ def check_each_rank_reads_its_share(audit: list[list[dict]], manifest: dict, sto
     shares = [epoch["bytes"] / store_bytes for epoch in epochs]
     print(f"bytes read per rank in epoch 0: {[e['bytes'] for e in epochs]} of {store_bytes} (shares {shares})")
     assert all(0.35 < share < 0.6 for share in shares), shares  # ~(1 - eval_fraction) / 2 each
+    mean = sum(epoch["bytes"] for epoch in epochs) / 2  # the split's bytes / world
+    assert all(abs(epoch["bytes"] / mean - 1) < 0.1 for epoch in epochs), epochs  # 1/world, within 10%
 
 
 # Run beside the `ray start` cluster: a local `griffin` Ray must answer State API queries about its own
