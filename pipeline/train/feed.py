@@ -1,11 +1,12 @@
 """A training stage's input as Ray Data datasets, split across the Ray Train workers.
 
 ``train.features: offline`` reads the feature store: ``ray.data.read_parquet`` over its parts, only
-the columns the draft reads (a single-feature draft never reads the multi-layer column), one read
-task per part. ``online`` computes the same rows as training reads them: the featurize stage's
-target actors (``PartFeatures``, with featurize's pool size and resources) run over the same planned
-parts a featurize would write, and nothing is stored. Either way the held-out rows (by sample id)
-form the ``eval`` dataset (none without held-out rows) and the rest the ``train`` dataset, in the same order.
+the columns the draft reads (a single-feature draft never reads the multi-layer column).
+``online`` computes the same rows as training reads them: the featurize stage's target actors
+(``PartFeatures``, with featurize's pool size and resources) run over the same planned parts a
+featurize would write, and nothing is stored. Either way the held-out rows (by sample id) form the
+``eval`` dataset (none without held-out rows) and the rest the ``train`` dataset, in the same order,
+cut into ``ROWS_PER_BLOCK``-row blocks.
 
 ``data_config()`` splits both with ``streaming_split(world, equal=True)`` (Ray Train's
 ``DataConfig``), so each rank reads ~1/world of the rows, with ``preserve_order`` so that the same
