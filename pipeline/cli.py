@@ -10,12 +10,15 @@ import argparse
 import importlib
 import json
 import logging
+import shlex
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig, load_config
+from pipeline.lock import EXIT_LOCKED, RunLocked, run_lock
 
 DISTRIBUTION = "griffin-drafts"  # project.name in pyproject.toml
 
@@ -135,13 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "submit":  # the job re-reads the same file and overrides on the cluster
             flags.update(config_path=args.config, overrides=args.overrides, stage_flags=stage_flags)
-        module_name, func_name = COMMANDS[args.command][0].split(":")
-        command = getattr(importlib.import_module(module_name), func_name)
-        if args.command in QUIET_COMMANDS:
-            log = log_path(cfg, args.command)
-            result = run_quietly(args.command, command, cfg, flags, log)
-        else:
-            result = command(cfg, **flags)
+        with lease(args.command, cfg, flags, sys.argv[1:] if argv is None else argv):
+            module_name, func_name = COMMANDS[args.command][0].split(":")
+            command = getattr(importlib.import_module(module_name), func_name)
+            if args.command in QUIET_COMMANDS:
+                log = log_path(cfg, args.command)
+                result = run_quietly(args.command, command, cfg, flags, log)
+            else:
+                result = command(cfg, **flags)
+    except RunLocked as error:  # another live command writes this run directory: nothing was touched
+        print(f"griffin {args.command}: refused: {error}", file=sys.stderr)
+        return EXIT_LOCKED
     except (ValueError, FileNotFoundError) as error:  # bad input: the message names the fix
         print(f"griffin {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -156,6 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(result, dict) and args.command not in QUIET_COMMANDS:  # a quiet command printed its summary
         print(json.dumps(result, indent=2, default=str))
     return 0 if result is not False else 1
+
+
+# The commands that write the run directory hold its lease (pipeline.lock) while they run. The others
+# only read it (mlflow-ui, featurize --verify), write elsewhere (assets: the cache; ship: drafts/), run
+# beside a writer for days (serve reads a finished draft) or run nowhere near it (submit: the job's
+# driver runs jobs/<stage>.py -> main, and takes the lease there, where the stage runs).
+LOCKED_COMMANDS = ("regenerate", "featurize", "train", "register", "export", "eval", "tune-tree", "bench-serve", "run")
+
+
+def lease(command: str, cfg: RunConfig, flags: dict[str, Any], argv: list[str]) -> AbstractContextManager:
+    if command not in LOCKED_COMMANDS or (command == "featurize" and flags.get("verify")):
+        return nullcontext()
+    return run_lock(cfg.run_dir, shlex.join(["griffin", *argv]))
 
 
 QUIET_COMMANDS = ("run",)  # long commands whose console is a line per stage; the rest goes to a log file

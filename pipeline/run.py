@@ -102,17 +102,21 @@ def _log_results(result: dict[str, Any]) -> None:
 
 
 def run_all(cfg: RunConfig) -> dict[str, Any]:
-    """Every stage in one parent MLflow run (``pipeline_run``: resumed by a rerun), each stage its child."""
+    """Every stage in one parent MLflow run (``pipeline_run``: resumed by a rerun), each stage its child.
+    Holds the run directory's lease (``pipeline.lock``; re-entrant: ``griffin run`` already holds it) so
+    that a caller from Python is kept from another writer too."""
+    from pipeline.lock import run_lock
     from pipeline.runtime import ensure_ray, pipeline_run
 
     banner = Banners(cfg)
-    ensure_ray(cfg)
-    with pipeline_run(cfg) as run:
-        say(f"MLflow run {run.info.run_id} in {cfg.tracking_uri}")
-        result = _stages(cfg, banner)
-    say(f"\nfinished in {time.time() - banner.started:.0f}s")
-    result["elapsed_s"] = time.time() - banner.started
-    (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))
+    with run_lock(cfg.run_dir, "pipeline.run.run_all"):
+        ensure_ray(cfg)
+        with pipeline_run(cfg) as run:
+            say(f"MLflow run {run.info.run_id} in {cfg.tracking_uri}")
+            result = _stages(cfg, banner)
+        say(f"\nfinished in {time.time() - banner.started:.0f}s")
+        result["elapsed_s"] = time.time() - banner.started
+        (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))
     return {
         "locations": result["locations"],
         "promotion": result["promotion"]["promoted"],

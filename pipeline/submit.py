@@ -4,8 +4,8 @@ The job runs ``python -m jobs.<stage> -c CONFIG [stage flags] [overrides]`` (the
 <stage>`` command line, e.g. ``--stage 2`` for train or ``--promote`` for register) on the cluster with a runtime_env
 whose working_dir is this repository (code, configs) plus whatever ``cluster.runtime_env`` adds
 (e.g. ``env_vars``; the packages come with the cluster image, infra/image). Paths in the config
-must be valid on the cluster: use shared-filesystem paths or object-store URIs for
-``output_dir`` / ``features.store`` (see infra/README.md).
+must be valid on the cluster: ``output_dir`` a shared-filesystem path, ``features.store`` that or an
+object-store URI (see infra/README.md). The job's driver takes the run directory's lease (``pipeline.lock``).
 """
 
 from __future__ import annotations

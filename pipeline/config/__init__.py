@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from griffin.config import SamplingConfig, TreeConfig
 from pipeline.config.sections import (  # noqa: F401 (re-exported: pipeline.config names every section)
@@ -32,6 +32,8 @@ from pipeline.config.sections import (  # noqa: F401 (re-exported: pipeline.conf
     DecodeSection,
     EvalSection,
     ClusterSection,
+    URI,
+    local_path,
 )
 from pipeline.runtime import resolve_tracking
 
@@ -51,6 +53,8 @@ class RunConfig(Section):
     serve: ServeSection = Field(default_factory=ServeSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+
+    _output_dir_is_local = field_validator("output_dir")(local_path)
 
     @model_validator(mode="after")
     def _check_eval_tree(self) -> "RunConfig":
@@ -154,7 +158,7 @@ def _explain(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             lines.append(_unknown_key(item["loc"]))
         else:
-            lines.append(f"{where}: {item['msg']}")
+            lines.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
     return "; ".join(lines)
 
 
@@ -207,7 +211,7 @@ def _absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     replicas run elsewhere, so the driver pins them to absolute paths once, here."""
 
     def pin(value: Any) -> Any:
-        return str(Path(value).expanduser().resolve()) if isinstance(value, str) and "://" not in value else value
+        return str(Path(value).expanduser().resolve()) if isinstance(value, str) and not URI.match(value) else value
 
     data = {**data, "output_dir": pin(data.get("output_dir", "outputs"))}
     if isinstance(data.get("features"), dict) and data["features"].get("store"):

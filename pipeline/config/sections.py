@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from griffin.config import TrainConfig, TreeConfig, Variant
+
+
+URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, gs://, file://, hdfs://...
+
+
+def local_path(value: str | None) -> str | None:
+    """``output_dir`` and ``regenerate.output`` are written and read as local paths (pathlib, the run lease,
+    Ray Train's storage, the sqlite tracking store): a URI there would become ``<cwd>/s3:/...`` on each
+    node, checkpoints included, so it is refused rather than silently made local."""
+    if value is not None and URI.match(value):
+        raise ValueError(
+            "must be a path on a filesystem every node mounts (e.g. /mnt/shared/griffin), "
+            f"not the URI {value!r}; of the run's locations only features.store may be an object store "
+            "(s3://, gs://... through pyarrow), and MLflow artifacts go where tracking.tracking_uri puts them"
+        )
+    return value
 
 
 class Section(BaseModel):
@@ -64,6 +81,7 @@ class RegenerateSection(Section):
         "order); default data.limit, so that training gets that many",
     )
     output: str | None = Field(default=None, description="path; default <output_dir>/<target-slug>-regenerated")
+    _output_is_local = field_validator("output")(local_path)
     temperature: float = Field(default=0.0, ge=0, le=5, description="0: greedy answers")
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_new_tokens: int = Field(default=512, ge=1, description="tokens per answer; stops earlier at a stop token")

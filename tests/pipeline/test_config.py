@@ -1,5 +1,7 @@
 """Run configs: `extends:` chains, one decoding tree, and the CLI's split of overrides and stage flags."""
 
+from pathlib import Path
+
 import pytest
 
 from griffin.config import TreeConfig
@@ -72,3 +74,18 @@ def test_split_extra_keeps_stage_flags_with_their_values():
         ["--stage", "2", "--promote"],
     )
     assert split_extra(["stray"]) == (["stray"], [])  # not an override: load_config names it
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/runs", "gs://bucket/runs", "file:///mnt/shared/runs"])
+def test_a_uri_output_dir_is_refused_not_made_local(uri):
+    """Path("s3://b/x") is <cwd>/s3:/b/x: checkpoints would sit on each node's own disk."""
+    with pytest.raises(ValueError, match=f"output_dir: must be a path on a filesystem every node mounts .*{uri}"):
+        load_config("jobs/configs/tiny.yaml", [f"output_dir={uri}"])
+    with pytest.raises(ValueError, match="regenerate.output: must be a path on a filesystem every node mounts"):
+        load_config("jobs/configs/tiny.yaml", [f"regenerate.output={uri}/regenerated"])
+
+
+def test_the_feature_store_may_be_an_object_store():
+    """The store is read and written through pyarrow's filesystems (pipeline.data.store._fs): kept as given."""
+    cfg = load_config("jobs/configs/tiny.yaml", ["features.store=s3://bucket/features"])
+    assert cfg.store_path == "s3://bucket/features" and Path(cfg.output_dir).is_absolute()
