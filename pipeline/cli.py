@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="section.field=value overrides")
         if name == "featurize":
             p.add_argument("--verify", metavar="STORE", help="re-check a store's checksums and row counts")
+            p.add_argument(
+                "--repair",
+                action="store_true",
+                default=None,
+                help="with --verify: keep one copy of each sample (drops repeated parts and rows)",
+            )
         if name == "train":
             p.add_argument("--stage", type=int, help="run only this stage of the schedule")
         if name == "register":

@@ -13,7 +13,15 @@ from typing import Any
 
 from griffin.checkpoint import atomic_write, atomic_write_json, atomic_write_text
 
-__all__ = ["atomic_write", "atomic_write_json", "atomic_write_text", "finished", "packaged_file", "reuse_key"]
+__all__ = [
+    "atomic_write",
+    "atomic_write_json",
+    "atomic_write_text",
+    "finished",
+    "packaged_file",
+    "read_marker",
+    "reuse_key",
+]
 
 
 def packaged_file(package: str, *parts: str) -> Path:
@@ -30,11 +38,19 @@ def reuse_key(identity: Any) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def read_marker(path: str | Path) -> dict[str, Any] | None:
+    """The JSON object a completion marker at ``path`` holds, or None: no marker, or one that is not a
+    whole JSON object (cut short by a kill or a full disk before writes were atomic, or damaged since),
+    which marks nothing done, so the stage runs again instead of every rerun skipping it and crashing."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def finished(path: str | Path, key: str) -> dict[str, Any] | None:
     """The finished result written at ``path`` when it records this ``key``, else None (none, another key,
     or a file a kill cut short)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) and data.get("key") == key else None
+    data = read_marker(path)
+    return data if data is not None and data.get("key") == key else None

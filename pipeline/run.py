@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.console import say
+from pipeline.files import atomic_write_json
 
 
 def steps(cfg: RunConfig) -> list[str]:
@@ -116,7 +117,7 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
             result = _stages(cfg, banner)
         say(f"\nfinished in {time.time() - banner.started:.0f}s")
         result["elapsed_s"] = time.time() - banner.started
-        (cfg.run_dir / "run_summary.json").write_text(json.dumps(result, indent=2, default=str))
+        atomic_write_json(cfg.run_dir / "run_summary.json", result)
     return {
         "locations": result["locations"],
         "promotion": result["promotion"]["promoted"],

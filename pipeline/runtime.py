@@ -142,7 +142,9 @@ def pipeline_run(cfg: RunConfig) -> Iterator[Any]:
     with mlflow.start_run(**where, log_system_metrics=False) as run:  # stages' work runs elsewhere
         if run_id is None:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            run_id_file.write_text(run.info.run_id)
+            from pipeline.files import atomic_write_text  # here: pipeline.config imports this module, keep it light
+
+            atomic_write_text(run_id_file, run.info.run_id)
             mlflow.log_dict(cfg.resolved(), "resolved_config.json")
         try:
             yield run

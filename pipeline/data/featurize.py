@@ -24,7 +24,9 @@ import torch
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
-from pipeline.data.parts import PartActor, PartProgress, injected_failure, run_part_actors
+from pipeline.data.integrity import repair_command, repair_store, verify_store
+from pipeline.data.layout import next_index
+from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
 from pipeline.data.sources import Ledger, Sample, load_conversations
 from pipeline.resources.targets import feature_layers, load_target, target_fingerprint
 from pipeline.data.store import (
@@ -33,7 +35,6 @@ from pipeline.data.store import (
     encode_hidden,
     open_for_writing,
     part_table,
-    verify_store,
     write_manifest,
     write_part,
 )
@@ -144,17 +145,19 @@ class PartWriter(PartActor):
         fingerprint: dict[str, Any],
         fail_after: int | None = None,
         layers: tuple[int, ...] = (),
+        kill_once: str | None = None,
     ):
         self.featurizer = Featurizer(target, dtype, batch_tokens, tuple(layers))
-        super().__init__(target_fingerprint(self.featurizer.target), fingerprint, fail_after)
+        super().__init__(target_fingerprint(self.featurizer.target), fingerprint, fail_after, kill_once)
         self.store, self.dtype = store, dtype
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"entry": np.asarray([json.dumps(self.write(batch, i)) for i in range(len(batch["lengths"]))])}
 
     def write(self, batch: dict[str, np.ndarray], i: int) -> dict[str, Any]:
-        name = self.next_part()
-        table, rows = featurize_part(self.featurizer, unpack_part(batch, i), self.dtype)
+        part = unpack_part(batch, i)
+        name = self.next_part(int(batch["index"][i]), part["sample_id"].tolist())
+        table, rows = featurize_part(self.featurizer, part, self.dtype)
         ok = rows["error"] == ""
         skipped = [
             {"sample_id": s, "reason": e, "where": "featurize", "detail": "NaN/inf in the target's features"}
@@ -164,6 +167,7 @@ class PartWriter(PartActor):
         if table.num_rows:
             entry = write_part(self.store, name, table)
             entry["node"] = _node_id()  # where it ran: placement is auditable on a cluster
+            self.written()
         return {"part": entry, "skipped": skipped, "rows": len(ok), "tokens": int(rows["seq_len"].sum())}
 
 
@@ -222,9 +226,11 @@ def group_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers:
     return [parts[i] for i in order]
 
 
-def pack_part(part: list[Sample]) -> dict[str, Any]:
-    """A part as one actor input row: its sample ids, lengths and the concatenated tokens and masks."""
+def pack_part(part: list[Sample], index: int = 0) -> dict[str, Any]:
+    """A part as one actor input row: its plan index (``part_name``), sample ids, lengths and the
+    concatenated tokens and masks."""
     return {
+        "index": index,
         "sample_id": [s.sample_id for s in part],
         "lengths": np.asarray([len(s.input_ids) for s in part], np.int32),
         "input_ids": np.concatenate([s.input_ids for s in part]),
@@ -232,9 +238,12 @@ def pack_part(part: list[Sample]) -> dict[str, Any]:
     }
 
 
-def plan_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0) -> list[dict[str, Any]]:
-    """``group_parts``, packed for the actors."""
-    return [pack_part(part) for part in group_parts(samples, cfg, hidden_size, layers)]
+def plan_parts(
+    samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0, first: int = 0
+) -> list[dict[str, Any]]:
+    """``group_parts``, packed for the actors, with plan indices from ``first`` (past the parts a
+    resumed store already holds: ``next_index``)."""
+    return [pack_part(part, first + i) for i, part in enumerate(group_parts(samples, cfg, hidden_size, layers))]
 
 
 def capture_key(cfg: RunConfig, target) -> dict[str, Any]:
@@ -290,27 +299,35 @@ def _featurize_parts(cfg: RunConfig, parts: list[dict], key: dict, manifest: dic
             dtype=cfg.features.dtype,
             batch_tokens=cfg.features.batch_tokens,
             fingerprint=fingerprint,
-            fail_after=injected_failure(FAULT_ENV),
             layers=tuple(key.get("feature_layers", ())),
+            **injected_faults(FAULT_ENV),
         ),
     )
 
 
-def _verify(store: str) -> dict[str, Any]:
+def _verify(store: str, repair: bool) -> dict[str, Any]:
+    """``--verify``: the store's problems, or its sound state; with ``--repair`` first dropping repeated rows."""
+    repaired = repair_store(store) if repair else []
+    for line in repaired:
+        console.say(f"[featurize] repaired {store}: {line}")
     if problems := verify_store(store):
+        repeats = any("repeated rows" in p for p in problems)
         raise ValueError(
             f"feature store {store} failed verification:\n  "
             + "\n  ".join(problems)
-            + "\nfix: delete the named part files and rerun `griffin featurize` with the store's config "
-            "(resume re-featurizes their samples)"
+            + (f"\nfix repeated rows: `{repair_command(store)}`" if repeats else "")
+            + "\nfix damaged parts: delete the named part files and rerun `griffin featurize` with the store's "
+            "config (resume re-featurizes their samples)"
         )
-    return {"store": store, "ok": True}
+    return {"store": store, "ok": True, "repaired": repaired}
 
 
-def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
-    """Featurize ``cfg``'s conversations into ``cfg.store_path`` (resuming), or verify a store."""
+def run_featurize(cfg: RunConfig, verify: str | None = None, repair: bool = False) -> dict[str, Any]:
+    """Featurize ``cfg``'s conversations into ``cfg.store_path`` (resuming), or verify (and repair) a store."""
+    if repair and verify is None:
+        raise ValueError("--repair goes with --verify STORE: `griffin featurize -c CONFIG --verify STORE --repair`")
     if verify is not None:
-        return _verify(verify)
+        return _verify(verify, repair)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     key, samples, ledger = prepare_samples(cfg)
     manifest, done = open_for_writing(cfg.store_path, key, cfg.resolved())
@@ -327,7 +344,8 @@ def run_featurize(cfg: RunConfig, verify: str | None = None) -> dict[str, Any]:
     )
     progress = PartProgress("featurize", len(todo), sum(len(s.input_ids) for s in todo))
     if todo:
-        parts = plan_parts(todo, cfg, key["hidden_size"], len(key.get("feature_layers", ())))
+        layers = len(key.get("feature_layers", ()))
+        parts = plan_parts(todo, cfg, key["hidden_size"], layers, next_index(manifest["files"]))
         _featurize_parts(cfg, parts, key, manifest, progress)
     manifest["complete"] = progress.rows == len(todo)  # every selected sample is in a part or the ledger
     write_manifest(cfg.store_path, manifest)

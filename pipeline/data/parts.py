@@ -9,45 +9,73 @@ import json
 import logging
 import os
 import re
+import signal
 import time
-import uuid
 from typing import Any
 
 from pipeline import console
 from pipeline.config import RunConfig
+from pipeline.data.layout import part_name
 from pipeline.data.store import write_manifest
 
 logger = logging.getLogger(__name__)
 
 
+KILL_ENV = "GRIFFIN_PART_KILL_ONCE"  # fault injection for tests: a flag file; see PartActor.written
+
+
 class PartActor:
     """What every part-writing actor does around its own work: refuse a worker whose target differs from
-    the driver's, name its parts ``part-<actor>-<seq>.parquet``, and fail on purpose after ``fail_after``
-    parts (fault injection for the resume tests, set through the stage's ``fault_env``)."""
+    the driver's, name each part from its plan index and sample ids (``part_name``: a retry rewrites the
+    same file), and fail on purpose (fault injection for the resume tests, set through ``injected_faults``):
+    raise after ``fail_after`` parts, or die (SIGKILL) once, right after a part is renamed into place,
+    when ``kill_once`` names a flag file that does not exist yet."""
 
     fault_env = ""
 
-    def __init__(self, worker_fingerprint: dict[str, Any], fingerprint: dict[str, Any], fail_after: int | None):
+    def __init__(
+        self,
+        worker_fingerprint: dict[str, Any],
+        fingerprint: dict[str, Any],
+        fail_after: int | None,
+        kill_once: str | None = None,
+    ):
         if worker_fingerprint != fingerprint:
             raise ValueError(
                 f"this worker's target differs from the driver's ({worker_fingerprint} vs {fingerprint}); "
                 "every node must see the same model files"
             )
-        self.fail_after = fail_after
-        self.actor, self.parts = uuid.uuid4().hex[:8], 0
+        self.fail_after, self.kill_once = fail_after, kill_once
+        self.parts = 0
 
-    def next_part(self) -> str:
-        """The next part's file name; raises the injected failure once ``fail_after`` parts are written."""
+    def next_part(self, index: int, sample_ids: list[str]) -> str:
+        """The file name of planned part ``index`` (holding ``sample_ids``, the rows written or not);
+        raises the injected failure once ``fail_after`` parts are written."""
         if self.fail_after is not None and self.parts >= self.fail_after:
             raise RuntimeError(f"injected failure after {self.parts} parts ({self.fault_env})")
-        name = f"part-{self.actor}-{self.parts:05d}.parquet"
         self.parts += 1
-        return name
+        return part_name(index, sample_ids)
+
+    def written(self) -> None:
+        """Called once a part is in place, before the driver has the result: the injected kill. The
+        flag file, created exclusively, makes it one kill across every actor and restart; SIGKILL, not
+        an exception, so that the process dies as on a preempted node and Ray Data retries the task."""
+        if not self.kill_once:
+            return
+        try:
+            os.close(os.open(self.kill_once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def injected_failure(fault_env: str) -> int | None:
-    """The fault-injection setting of a stage: ``$<fault_env>`` parts per actor, or None."""
-    return int(os.environ[fault_env]) if os.environ.get(fault_env) else None
+def injected_faults(fault_env: str) -> dict[str, Any]:
+    """The fault-injection settings of a stage, read on the driver (actors do not see its environment):
+    ``$<fault_env>`` parts per actor before raising, and ``$GRIFFIN_PART_KILL_ONCE``'s flag file."""
+    return {
+        "fail_after": int(os.environ[fault_env]) if os.environ.get(fault_env) else None,
+        "kill_once": os.environ.get(KILL_ENV) or None,
+    }
 
 
 class PartProgress:
@@ -114,7 +142,8 @@ def run_part_actors(
     try:
         for row in dataset.iter_rows():
             result = json.loads(row["entry"])
-            manifest["files"] += [result["part"]] if result["part"] else []
+            if part := result["part"]:  # a part rewritten under its own name replaces its entry
+                manifest["files"] = [f for f in manifest["files"] if f["file"] != part["file"]] + [part]
             manifest["skipped"] += result["skipped"]
             write_manifest(location, manifest)  # progress survives a kill
             progress.update(result)

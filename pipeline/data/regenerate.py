@@ -30,7 +30,8 @@ import torch
 
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
-from pipeline.data.parts import PartActor, PartProgress, injected_failure, run_part_actors
+from pipeline.data.layout import next_index
+from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
 from pipeline.data.chat import render_chat
 from pipeline.resources.targets import load_target, target_fingerprint
 from pipeline.runtime import ensure_ray
@@ -145,18 +146,19 @@ class PartRegenerator(PartActor):
         out: str,
         fingerprint: dict[str, Any],
         fail_after: int | None = None,
+        kill_once: str | None = None,
     ):
         self.regenerator = Regenerator(target, settings)
-        super().__init__(target_fingerprint(self.regenerator.target), fingerprint, fail_after)
+        super().__init__(target_fingerprint(self.regenerator.target), fingerprint, fail_after, kill_once)
         self.out = out
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"entry": np.asarray([json.dumps(self.write(json.loads(item))) for item in batch["part"]])}
 
     def write(self, part: dict[str, Any]) -> dict[str, Any]:
-        name = self.next_part()
-        started = time.perf_counter()
         conversations = part["conversations"]
+        name = self.next_part(part["index"], [c["sample_id"] for c in conversations])
+        started = time.perf_counter()
         messages, generated, counts = self.regenerator.answer([c["messages"] for c in conversations], part["seed"])
         answered = [any(m["role"] == "assistant" for m in turns) for turns in messages]
         skipped = [
@@ -181,6 +183,7 @@ class PartRegenerator(PartActor):
                 }
             )
             entry = write_part(self.out, name, table)
+            self.written()
         return {
             "part": entry,
             "skipped": skipped,
@@ -190,15 +193,17 @@ class PartRegenerator(PartActor):
         }
 
 
-def plan_parts(conversations: list[Conversation], cfg: RunConfig) -> list[dict[str, Any]]:
-    """Parts of ``regenerate.conversations_per_part`` conversations, each with a seed derived from
-    its first conversation (a resumed run samples a part the same way whatever ran before it)."""
+def plan_parts(conversations: list[Conversation], cfg: RunConfig, first: int = 0) -> list[dict[str, Any]]:
+    """Parts of ``regenerate.conversations_per_part`` conversations, each with its plan index (from
+    ``first``: ``part_name``) and a seed derived from its first conversation (a resumed run samples a
+    part the same way whatever ran before it)."""
     size, parts = cfg.regenerate.conversations_per_part, []
     for start in range(0, len(conversations), size):
         chunk = conversations[start : start + size]
         seed = int(hashlib.sha256(f"{cfg.regenerate.seed}:{chunk[0].sample_id}".encode()).hexdigest()[:8], 16)
         parts.append(
             {
+                "index": first + len(parts),
                 "seed": seed,
                 "conversations": [
                     {"sample_id": c.sample_id, "where": c.where, "messages": list(c.messages)} for c in chunk
@@ -250,7 +255,7 @@ def _regenerate_parts(
             settings=settings,
             out=cfg.regenerated_path,
             fingerprint=fingerprint,
-            fail_after=injected_failure(FAULT_ENV),
+            **injected_faults(FAULT_ENV),
         ),
     )
 
@@ -284,7 +289,7 @@ def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
     )
     progress = PartProgress("regenerate", len(todo))
     if todo:
-        _regenerate_parts(cfg, plan_parts(todo, cfg), fingerprint, manifest, progress)
+        _regenerate_parts(cfg, plan_parts(todo, cfg, next_index(manifest["files"])), fingerprint, manifest, progress)
         progress.console.close(f"{progress.tokens} tokens generated")
     manifest["complete"] = progress.rows == len(todo)
     write_manifest(cfg.regenerated_path, manifest)

@@ -7,17 +7,18 @@ little-endian bf16 bytes, or fp8-e4m3 bytes plus per-token fp32 ``scales``. A st
 feature layers (schema version 2, for EAGLE-3-style drafts) adds ``layers``: those k hidden states,
 (seq_len, k, hidden_size) in the same codec, with ``layer_scales`` per (token, layer) for fp8;
 version-1 stores have no such column and read as before. Parts are written
-under a dot-name and renamed into place, ``_manifest.json`` is replaced atomically, and only a
-finished run sets ``complete``: a killed run never leaves a store that looks done.
+under a dot-name and renamed into place as ``part-<plan index>-<content hash>.parquet`` (a retried
+part rewrites its own file), ``_manifest.json`` is replaced atomically, only a finished run sets
+``complete`` (a killed run never leaves a store that looks done), and each sample id is kept in one
+part only (``keep_first_copies``).
 
 Shape legend: T tokens, H hidden size, B batch.
 """
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
+import logging
 import os
 import uuid
 import warnings
@@ -29,6 +30,16 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
+
+from pipeline.data.layout import (
+    content_name,
+    file_sha256,
+    join,
+    location_fs,
+    part_index,
+    part_order,
+    utc_now,
+)
 
 MANIFEST = "_manifest.json"
 SCHEMA_VERSION = 2  # 2 added the optional ``layers`` column; version-1 parts read the same
@@ -46,30 +57,8 @@ _COMPRESSION = {
     "layers": "NONE",
     "layer_scales.list.element": "NONE",
 }  # features don't compress
+logger = logging.getLogger(__name__)
 _FIX = "rerun `griffin featurize -c CONFIG` with the store's config to resume or rebuild it"
-
-
-# ---- locations ---------------------------------------------------------------------------
-def _fs(location: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and path for a local path or a URI (file://, s3://, gs://...)."""
-    uri = location if "://" in location else os.path.abspath(os.path.expanduser(location))
-    return pafs.FileSystem.from_uri(uri)
-
-
-def _join(store: str, name: str) -> str:
-    return f"{store.rstrip('/')}/{name}" if "://" in store else os.path.join(os.path.abspath(store), name)
-
-
-def _sha256(fs: pafs.FileSystem, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # ---- feature codec -------------------------------------------------------------------------
@@ -144,7 +133,7 @@ def part_table(rows: dict[str, Any], dtype: str, hidden_size: int, layers: tuple
 def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
     """Write ``table`` as ``<store>/<name>`` under a temporary dot-name, then rename it into
     place; returns the manifest entry (rows, tokens, bytes, sha256)."""
-    fs, root = _fs(store)
+    fs, root = location_fs(store)
     fs.create_dir(root, recursive=True)
     tmp, final = f"{root}/.{name}.tmp-{uuid.uuid4().hex[:8]}", f"{root}/{name}"
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
@@ -162,28 +151,28 @@ def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
         "rows": table.num_rows,
         "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
         "bytes": fs.get_file_info(tmp).size,
-        "sha256": _sha256(fs, tmp),
+        "sha256": file_sha256(fs, tmp),
     }
     fs.move(tmp, final)
     return entry
 
 
 def _index_columns(store: str, name: str) -> pa.Table:
-    fs, root = _fs(store)
+    fs, root = location_fs(store)
     with fs.open_input_file(f"{root}/{name}") as f:
         return pq.read_table(f, columns=["sample_id", "seq_len"])  # skips the feature bytes
 
 
 def describe_part(store: str, name: str, sha256: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """The manifest entry and sample ids of an existing part, re-read (and re-hashed unless given)."""
-    fs, root = _fs(store)
+    fs, root = location_fs(store)
     table = _index_columns(store, name)
     entry = {
         "file": name,
         "rows": table.num_rows,
         "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
         "bytes": fs.get_file_info(f"{root}/{name}").size,
-        "sha256": sha256 or _sha256(fs, f"{root}/{name}"),
+        "sha256": sha256 or file_sha256(fs, f"{root}/{name}"),
     }
     return entry, table["sample_id"].to_pylist()
 
@@ -200,8 +189,8 @@ def write_manifest(store: str, manifest: dict[str, Any]) -> None:
         "bytes_per_token": size / tokens if tokens else None,
         "skipped": len(manifest["skipped"]),
     }
-    manifest["updated"] = _now()
-    fs, root = _fs(store)
+    manifest["updated"] = utc_now()
+    fs, root = location_fs(store)
     fs.create_dir(root, recursive=True)
     tmp = f"{root}/.{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
     with fs.open_output_stream(tmp) as f:
@@ -213,14 +202,14 @@ def open_for_writing(store: str, capture_key: dict, config: dict) -> tuple[dict[
     """The manifest to continue (marked incomplete) and the sample ids already done. Deletes
     half-written temp files, forgets listed parts that are gone, adopts finished parts that a
     killed run wrote but never recorded, and refuses a store captured with another key."""
-    fs, root = _fs(store)
+    fs, root = location_fs(store)
     listing = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    names = {os.path.basename(i.path) for i in listing if i.type == pafs.FileType.File}
+    names = sorted(os.path.basename(i.path) for i in listing if i.type == pafs.FileType.File)
     manifest = _read_json(fs, f"{root}/{MANIFEST}") if MANIFEST in names else None
     if manifest is None:
         manifest = {
             "schema_version": SCHEMA_VERSION,
-            "created": _now(),
+            "created": utc_now(),
             "capture_key": capture_key,
             "files": [],
             "skipped": [],
@@ -233,17 +222,52 @@ def open_for_writing(store: str, capture_key: dict, config: dict) -> tuple[dict[
     for name in names:
         if name.startswith(".part-") or name.startswith(f".{MANIFEST}.tmp-"):
             fs.delete_file(f"{root}/{name}")  # a killed writer's leftovers, never complete
-    manifest.update(complete=False, config=config, files=[f for f in manifest["files"] if f["file"] in names])
-    done = {s["sample_id"] for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS}
-    known = {f["file"] for f in manifest["files"]}
-    for name in sorted(names):
-        if name in known:
-            done.update(_index_columns(store, name)["sample_id"].to_pylist())
-        elif name.startswith("part-") and name.endswith(".parquet"):  # renamed into place, never recorded
-            entry, sample_ids = describe_part(store, name)
-            manifest["files"].append(entry)
-            done.update(sample_ids)
-    return manifest, done
+    names = [n for n in names if not n.startswith(".")]
+    recorded = {f["file"]: f for f in manifest["files"] if f["file"] in names}  # a file listed twice: once
+    # renamed into place but never recorded (the driver never got the result): adopted, unless it repeats
+    # rows of a part kept before it (a retry under an older naming scheme, a part of another plan)
+    orphans = [
+        describe_part(store, n)[0]
+        for n in names
+        if n not in recorded and n.startswith("part-") and n.endswith(".parquet")
+    ]
+    seen: set[str] = set()
+    files, _ = keep_first_copies(store, list(recorded.values()), seen)  # recorded parts first: an orphan never
+    adopted, _ = keep_first_copies(store, orphans, seen)  # displaces a part the manifest already lists
+    manifest.update(complete=False, config=config, files=files + adopted)
+    return manifest, seen | {s["sample_id"] for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS}
+
+
+def keep_first_copies(store: str, entries: list[dict], seen: set[str]) -> tuple[list[dict], list[str]]:
+    """``entries`` in read order, each sample id kept in the first part holding it (or none, if in
+    ``seen``): a part whose rows all appear before is deleted, one with some rewritten without them
+    under its new content name. Adds the kept ids to ``seen``; returns the entries kept and a line per
+    part changed. Both copies of a row hold the same features (one capture key), so either may go."""
+    fs, root = location_fs(store)
+    kept, changes = [], []
+    for entry in sorted(entries, key=lambda e: part_order(e["file"])):
+        ids = _index_columns(store, entry["file"])["sample_id"].to_pylist()
+        first = []  # whether each row is its sample's first copy
+        for sid in ids:
+            first.append(sid not in seen)
+            seen.add(sid)
+        if all(first):
+            kept.append(entry)
+            continue
+        if any(first):
+            with fs.open_input_file(f"{root}/{entry['file']}") as f:
+                table = pq.read_table(f).filter(pa.array(first))
+            index = part_index(entry["file"])
+            prefix = entry["file"].removesuffix(".parquet") if index is None else f"part-{index:06d}"
+            kept.append(write_part(store, content_name(prefix, table["sample_id"].to_pylist()), table))
+        fs.delete_file(f"{root}/{entry['file']}")
+        changes.append(
+            f"{entry['file']}: {first.count(False)} of {len(ids)} rows repeat an earlier part; "
+            + (f"rewritten as {kept[-1]['file']}" if any(first) else "deleted")
+        )
+    for line in changes:
+        logger.warning("%s: %s", store, line)
+    return kept, changes
 
 
 # ---- checking ------------------------------------------------------------------------------
@@ -253,7 +277,7 @@ def _read_json(fs: pafs.FileSystem, path: str) -> dict[str, Any]:
 
 
 def read_manifest(store: str, require_complete: bool = True) -> dict[str, Any]:
-    fs, root = _fs(store)
+    fs, root = location_fs(store)
     if fs.get_file_info(f"{root}/{MANIFEST}").type != pafs.FileType.File:
         raise FileNotFoundError(
             f"no feature store at {store} (missing {MANIFEST}); run `griffin featurize -c "
@@ -292,37 +316,8 @@ def check_capture_key(store: str, fingerprint: dict[str, Any], max_len: int | No
 
 
 def part_files(store: str) -> list[str]:
-    return sorted(_join(store, f["file"]) for f in read_manifest(store)["files"])
-
-
-def verify_store(store: str) -> list[str]:
-    """Problems found re-reading every part: missing files, sha256 or row/token count mismatches,
-    duplicate sample ids, an incomplete manifest. Empty when the store is sound."""
-    manifest, problems, seen = read_manifest(store, require_complete=False), [], set()
-    if not manifest.get("complete"):
-        problems.append(f"{MANIFEST}: incomplete (the run was interrupted)")
-    fs, root = _fs(store)
-    for expected in manifest["files"]:
-        name = expected["file"]
-        try:
-            if (sha256 := _sha256(fs, f"{root}/{name}")) != expected["sha256"]:
-                problems.append(
-                    f"{name}: sha256 is {sha256}, manifest says {expected['sha256']} (file corrupted or modified)"
-                )
-                continue
-            actual, sample_ids = describe_part(store, name, sha256)
-        except (OSError, pa.ArrowException) as error:
-            problems.append(f"{name}: unreadable ({type(error).__name__}: {str(error)[:200]})")
-            continue
-        problems += [
-            f"{name}: {k} is {actual[k]}, manifest says {expected[k]}"
-            for k in ("rows", "tokens", "bytes")
-            if actual[k] != expected[k]
-        ]
-        if duplicates := seen.intersection(sample_ids):
-            problems.append(f"{name}: {len(duplicates)} sample ids also in another part")
-        seen.update(sample_ids)
-    return problems
+    """The store's parts in read order (``part_order``: plan order for a store featurized in one go)."""
+    return [join(store, name) for name in sorted((f["file"] for f in read_manifest(store)["files"]), key=part_order)]
 
 
 # ---- reading -------------------------------------------------------------------------------
@@ -377,7 +372,7 @@ def iter_rows(files: list[str], layers: bool = False) -> Iterator[dict[str, Any]
     """Every row of ``files`` in order, streamed record batch by record batch; the feature-layer
     columns are read only with ``layers`` (they are k times the size of the rest)."""
     for path in files:
-        fs, local = _fs(path)
+        fs, local = location_fs(path)
         with fs.open_input_file(local) as f:
             parquet = pq.ParquetFile(f)
             columns = [c for c in parquet.schema_arrow.names if layers or c not in LAYER_COLUMNS]

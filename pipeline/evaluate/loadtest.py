@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import RunConfig
+from pipeline.files import atomic_write_json, atomic_write_text
 
 LEVELS = (1, 2, 4, 8)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::")
@@ -196,8 +197,8 @@ def run_bench_serve(
     }
     out_dir = Path(cfg.run_dir) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "serve_load.json").write_text(json.dumps({**result, "config": cfg.resolved()}, indent=2))
-    (out_dir / "serve_load.md").write_text(_markdown(result))
+    atomic_write_json(out_dir / "serve_load.json", {**result, "config": cfg.resolved()})
+    atomic_write_text(out_dir / "serve_load.md", _markdown(result))
     if result["errors"]:
         raise RuntimeError(
             f"bench-serve: {result['errors']} requests failed against {url}; see {out_dir / 'serve_load.json'}"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from griffin.decode import acceptance_length
+from pipeline.files import atomic_write_json, atomic_write_text
 
 DEFINITIONS = {
     "tau": "acceptance length: tokens committed per target verification pass, bonus token included: "
@@ -264,8 +265,8 @@ def _histogram(path: Path, results: dict[str, Any]) -> None:
 def write_reports(eval_dir: Path, report: dict[str, Any], records: list[dict[str, Any]]) -> Path:
     """report.json, report.md, generations.jsonl and three PNGs under ``eval_dir``."""
     eval_dir.mkdir(parents=True, exist_ok=True)
-    (eval_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    (eval_dir / "report.md").write_text(_markdown(report))
+    atomic_write_json(eval_dir / "report.json", report)  # ship and register read it: whole or absent
+    atomic_write_text(eval_dir / "report.md", _markdown(report))
     with open(eval_dir / "generations.jsonl", "w") as out:
         for row in records:
             out.write(json.dumps(row) + "\n")

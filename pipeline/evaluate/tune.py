@@ -259,7 +259,7 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
         f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
         for c in result["candidates"]
     ]
-    (out / "tune_tree.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / "tune_tree.md", "\n".join(lines) + "\n")
 
     figure = Figure(figsize=(11, 4))
     left, right = figure.subplots(1, 2)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config
 from pipeline.config import RunConfig
+from pipeline.files import atomic_write, atomic_write_json, atomic_write_text
 from pipeline.resources.drafts import REPO, check_lineage, load_draft_uri, resolve_draft
 from pipeline.resources.targets import load_target
 
@@ -148,13 +149,13 @@ def run_ship(
     state = {
         k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(draft_dir / WEIGHTS_NAME).items()
     }
-    save_file(state, out_dir / WEIGHTS_NAME, metadata={"format": "pt"})
-    (out_dir / CONFIG_NAME).write_text(json.dumps(raw, indent=2, default=str))
+    atomic_write(out_dir / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_json(out_dir / CONFIG_NAME, raw)
     card = build_card(raw, evaluation, method)
-    (out_dir / CARD_NAME).write_text(json.dumps(card, indent=2, default=str))
+    atomic_write_json(out_dir / CARD_NAME, card)
     relative = out_dir.relative_to(REPO) if out_dir.is_relative_to(REPO) else out_dir
     serve_command = f"griffin serve -c jobs/configs/smollm2-quick.yaml serve.draft_uri={relative}"
-    (out_dir / "README.md").write_text(card_markdown(card, serve_command))
+    atomic_write_text(out_dir / "README.md", card_markdown(card, serve_command))
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     if size > MAX_BYTES:
         raise ValueError(

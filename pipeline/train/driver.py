@@ -27,7 +27,9 @@ from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
 from pipeline.config import RunConfig, StageSection
 from pipeline.console import Progress, say
+from pipeline.files import atomic_write_json, atomic_write_text, read_marker
 from pipeline.runtime import ensure_ray, feature_dataset, recorded_run, setup_mlflow
+from pipeline.data.integrity import require_unique_ids
 from pipeline.data.store import check_capture_key, part_files
 from pipeline.train.feed import data_config, online_datasets, stored_datasets
 from pipeline.resources.drafts import check_lineage, resolve_draft
@@ -135,7 +137,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
             source = str(cfg.training_data.source) if online else cfg.store_path
             dataset = feature_dataset(source, digest, f"online:{Path(source).name}" if online else None)
             mlflow.log_input(dataset, context="training", tags={"sha256": digest, "features": cfg.train.features})
-            run_id_file.write_text(run.info.run_id)
+            atomic_write_text(run_id_file, run.info.run_id)
     run_id = run_id_file.read_text().strip()
     loop_config = {
         "run": cfg.resolved(),
@@ -162,7 +164,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         shutil.copytree(Path(directory) / "draft", out / "best")
     _log_curves(mlflow, run_id, out)
     summary = {"stage": stage.stage, "best_metrics": best_metrics, "mlflow_run_id": run_id, "best": str(out / "best")}
-    (out / "_complete.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write_json(out / "_complete.json", summary)  # whole or absent: a cut-short marker never skips a stage
     return out / "best"
 
 
@@ -241,8 +243,10 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len)
     _check_store_layers(cfg, target, manifest)
     files, layers = part_files(cfg.store_path), bool(draft_feature_layers(cfg, target))
+    sample_ids = store_sample_ids(cfg.store_path)
+    require_unique_ids(cfg.store_path, sample_ids)  # a repeated row would be trained on twice
     return {
-        "sample_ids": store_sample_ids(cfg.store_path),
+        "sample_ids": sample_ids,
         "tokens": lambda: store_tokens(cfg.store_path),
         "datasets": lambda eval_ids: stored_datasets(files, manifest["capture_key"]["dtype"], layers, eval_ids),
         "sha256": _digest(manifest),
@@ -298,7 +302,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     summaries, init_dir = [], _checked_init(cfg, target)
     for item in schedule:
         done = stage_dir(cfg, item.stage) / "_complete.json"
-        if done.exists():
+        if read_marker(done) is not None:
             say(f"[train] stage {item.stage} already complete: {done.parent / 'best'}")
         elif stage is None or item.stage == stage:
             _run_stage(cfg, item, init_dir, d2t if init_dir is None else None, context)
@@ -307,8 +311,8 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
                 f"stage {stage} starts from stage {item.stage}, which has not been trained yet; "
                 f"run `griffin train` without --stage or with --stage {item.stage} first"
             )
-        if done.exists():
-            summaries.append(json.loads(done.read_text()))
+        if (summary := read_marker(done)) is not None:
+            summaries.append(summary)
             init_dir = str(done.parent / "best")
         if stage is not None and item.stage == stage:
             break

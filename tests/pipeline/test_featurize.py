@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from pipeline.data import store as st
+from pipeline.data.integrity import verify_store
 from pipeline.config import load_config
 from pipeline.data.featurize import FAULT_ENV, Featurizer, run_featurize
+from pipeline.data.layout import part_index
+from pipeline.data.parts import KILL_ENV
 from pipeline.data.sources import Conversation, build_sample, clean_messages, record_id
 from pipeline.resources.targets import load_target, target_fingerprint
 
@@ -145,7 +148,7 @@ def test_kill_and_resume_gives_every_sample_once(featurized):
     assert summary["complete"] and summary["new_rows"] < summary["rows"] == 14
     ids = [row["sample_id"] for row in st.iter_rows(st.part_files(cfg.store_path))]
     assert len(ids) == len(set(ids)) == 14
-    assert not list(Path(cfg.store_path).glob(".part-*")) and st.verify_store(cfg.store_path) == []
+    assert not list(Path(cfg.store_path).glob(".part-*")) and verify_store(cfg.store_path) == []
 
 
 def test_save_to_disk_source_resumes_the_jsonl_store(featurized, tmp_path):
@@ -187,6 +190,58 @@ def test_verify_flags_a_corrupted_file(featurized, tmp_path, capsys):
         f.write(b"\x00\x01\x02")
     assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store)]) == 2
     assert f"{victim.name}: sha256 is" in capsys.readouterr().err
+
+
+def test_an_actor_killed_after_renaming_its_part_leaves_every_sample_once(data, tmp_path, monkeypatch, ray_session):
+    """The actor process is SIGKILLed right after its first part is renamed into place, before the driver
+    has the result: Ray Data restarts it and retries the part, which rewrites the same file (a part's
+    name is its plan index and content), so the store and its manifest hold every sample once, and
+    a fresh store's parts read in plan order."""
+    cfg = config(tmp_path, data)
+    flag = tmp_path / "killed"
+    monkeypatch.setenv(KILL_ENV, str(flag))
+    summary = run_featurize(cfg)
+    assert flag.exists()  # the kill came after this flag was made: an actor died with a part in place
+    names = sorted(p.name for p in Path(cfg.store_path).glob("part-*.parquet"))
+    manifest = st.read_manifest(cfg.store_path)
+    assert summary["complete"] and names == sorted(f["file"] for f in manifest["files"])
+    assert [part_index(n) for n in names] == list(range(7))  # one file per planned part, in plan order
+    ids = [row["sample_id"] for row in st.iter_rows(st.part_files(cfg.store_path))]
+    assert len(ids) == len(set(ids)) == 14 and manifest["totals"]["rows"] == 14
+    assert verify_store(cfg.store_path) == []
+    monkeypatch.delenv(KILL_ENV)
+    rerun = run_featurize(cfg)
+    assert rerun["new_rows"] == 0 and rerun["rows"] == 14 and rerun["files"] == 7
+
+
+def test_a_repeated_part_is_refused_by_training_and_repaired(featurized, data, tmp_path, capsys):
+    """A part twice (the retry of a store written before content names, recorded by a rerun): training
+    refuses the store naming the repair, ``--verify --repair`` keeps one copy, training accepts it; and
+    such a copy left unrecorded is dropped by a rerun instead of adopted."""
+    from pipeline.cli import main
+    from pipeline.train.driver import run_train
+
+    cfg, _, _ = featurized
+    copy = config(tmp_path, data, "train.schedule=[]")
+    shutil.copytree(cfg.store_path, copy.store_path)
+    store = Path(copy.store_path)
+    first = st.part_files(copy.store_path)[0]
+    shutil.copy(first, store / "part-0a1b2c3d-00000.parquet")  # named as before content names: read first
+    manifest = st.read_manifest(copy.store_path)
+    original = next(f for f in manifest["files"] if first.endswith(f["file"]))
+    manifest["files"].append({**original, "file": "part-0a1b2c3d-00000.parquet"})
+    st.write_manifest(copy.store_path, manifest)
+    with pytest.raises(ValueError, match=r"more than one row .* training would read them twice.* --repair"):
+        run_train(copy)
+    assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store)]) == 2
+    assert "repeated rows" in capsys.readouterr().err
+    assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store), "--repair"]) == 0
+    assert len(list(store.glob("part-*.parquet"))) == 7 and verify_store(str(store)) == []
+    assert run_train(copy)["stages"] == []  # the store passes training's checks
+    orphan = store / "part-0a1b2c3e-00000.parquet"  # the same rows again, never recorded: a rerun finds it
+    shutil.copy(st.part_files(copy.store_path)[0], orphan)
+    summary = run_featurize(copy)
+    assert summary["new_rows"] == 0 and summary["rows"] == 14 and summary["files"] == 7 and not orphan.exists()
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pipeline.data import store as st
+from pipeline.data.integrity import verify_store
 
 H = 16
 
@@ -102,12 +103,12 @@ def test_resume_adopts_finished_parts_and_drops_leftovers(tmp_path):
 
 def test_verify_reports_corruption_by_file(tmp_path):
     make_store(tmp_path)
-    assert st.verify_store(str(tmp_path)) == []
+    assert verify_store(str(tmp_path)) == []
     part = tmp_path / "part-test-00001.parquet"
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
-    (problem,) = st.verify_store(str(tmp_path))
+    (problem,) = verify_store(str(tmp_path))
     assert problem.startswith("part-test-00001.parquet: sha256 is") and "corrupted" in problem
 
 
@@ -139,3 +140,60 @@ def test_store_iterable_splits_files_across_ranks(tmp_path):
     loader = torch.utils.data.DataLoader(st.StoreIterable(files, 64, H), batch_size=None)
     assert [tuple(b["input_ids"].shape) for b in loader] == [(5, 7)]  # rows of both files, one budget
     assert json.loads((tmp_path / "_manifest.json").read_text())["totals"]["files"] == 2
+
+
+def test_part_names_are_content_keys_read_in_plan_order(tmp_path):
+    """The same planned part is the same file; plan index 10 reads after 9 (numbers, not text), and parts
+    named before content names existed read first."""
+    from pipeline.data.layout import next_index, part_name
+
+    assert part_name(3, ["b", "a"]) == part_name(3, ["a", "b"]) != part_name(3, ["a", "c"])
+    assert part_name(3, ["a"]).startswith("part-000003-") and part_name(3, ["a"]) != part_name(4, ["a"])
+    manifest, _ = st.open_for_writing(str(tmp_path), {"target_id": "t", "dtype": "bf16"}, {})
+    for index, name in [(0, part_name(1_000_000, ["x"])), (1, part_name(9, ["y"])), (2, "part-abcd1234-00000.parquet")]:
+        table = st.part_table(rows((2,), seed=index)[0], "bf16", H)
+        manifest["files"].append(st.write_part(str(tmp_path), name, table))
+    st.write_manifest(str(tmp_path), {**manifest, "complete": True})
+    order = [f.rsplit("/", 1)[1] for f in st.part_files(str(tmp_path))]
+    assert order == ["part-abcd1234-00000.parquet", part_name(9, ["y"]), part_name(1_000_000, ["x"])]
+    assert next_index(manifest["files"]) == 1_000_001
+
+
+def test_resume_never_records_a_sample_twice(tmp_path):
+    """Orphans that repeat recorded rows (a retry under the old names, a part of another plan): one
+    holding only repeats is deleted, one holding some is rewritten with its new rows only."""
+    make_store(tmp_path, parts=((3, 5),), complete=False)  # s0-0, s0-1
+    recorded = tmp_path / "part-test-00000.parquet"
+    (tmp_path / "part-retry-00000.parquet").write_bytes(recorded.read_bytes())  # the same rows, another name
+    mixed = st.part_table(rows((3, 5), seed=0)[0], "bf16", H)  # s0-0 and s0-1 again, plus one new row
+    extra = st.part_table(rows((4,), seed=7)[0], "bf16", H)
+    import pyarrow as pa
+
+    st.write_part(str(tmp_path), "part-zz-00000.parquet", pa.concat_tables([mixed, extra]))
+    manifest, done = st.open_for_writing(str(tmp_path), {"target_id": "t", "dtype": "bf16"}, {})
+    assert done == {"s0-0", "s0-1", "s7-0"}
+    names = sorted(p.name for p in tmp_path.glob("part-*"))
+    assert names == sorted(f["file"] for f in manifest["files"]) and len(names) == 2
+    assert "part-test-00000.parquet" in names and "part-retry-00000.parquet" not in names
+    ids = [r["sample_id"] for r in st.iter_rows([str(tmp_path / n) for n in names])]
+    assert sorted(ids) == ["s0-0", "s0-1", "s7-0"]
+
+
+def test_a_repeated_part_is_refused_then_repaired(tmp_path):
+    """A part recorded twice under two names: verify names it, training's check refuses the store with
+    the repair command, and the repair leaves every sample once, the store still complete."""
+    from pipeline.data.integrity import repair_store, require_unique_ids
+    from pipeline.train.batches import store_sample_ids
+
+    manifest = make_store(tmp_path)
+    copy = tmp_path / "part-test-00002.parquet"
+    copy.write_bytes((tmp_path / "part-test-00000.parquet").read_bytes())
+    manifest["files"].append({**manifest["files"][0], "file": copy.name})
+    st.write_manifest(str(tmp_path), manifest)
+    assert verify_store(str(tmp_path)) == [f"{copy.name}: 3 sample ids also in a part read before it (repeated rows)"]
+    with pytest.raises(ValueError, match=r"3 sample ids in more than one row .* --verify .* --repair"):
+        require_unique_ids(str(tmp_path), store_sample_ids(str(tmp_path)))
+    assert repair_store(str(tmp_path)) == [f"{copy.name}: 3 of 3 rows repeat an earlier part; deleted"]
+    assert verify_store(str(tmp_path)) == [] and not copy.exists()
+    require_unique_ids(str(tmp_path), store_sample_ids(str(tmp_path)))
+    assert st.read_manifest(str(tmp_path))["totals"]["rows"] == 5
