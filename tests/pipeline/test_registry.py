@@ -176,6 +176,22 @@ def test_an_evaluation_cut_between_tau_and_violations_promotes_nothing(store, ta
     assert client.get_model_version("cut-test", "1").tags["eval.violations"] == "0"  # loose copies for people
 
 
+def test_served_alias_is_pinned_to_its_version_when_the_app_is_built(store, target, tmp_path):
+    """Every replica of one deployment, a replacement for a dead one included, loads the same version:
+    the alias is resolved once, in the driver, and moving it later does not reach a running app."""
+    from pipeline.serve.app import _portable
+
+    cfg = make_cfg(store, "registry.model_name=pin-test", "serve.draft_uri=models:/pin-test@candidate")
+    make_draft(cfg, target, tmp_path / "d0", seed=0)
+    registry.register(cfg, tmp_path / "d0")
+    built = _portable(cfg)
+    make_draft(cfg, target, tmp_path / "d1", seed=1)
+    registry.register(cfg, tmp_path / "d1")  # candidate moves to version 2
+    assert built["serve"]["draft_uri"] == "models:/pin-test/1"
+    assert _portable(cfg)["serve"]["draft_uri"] == "models:/pin-test/2"  # the next deploy follows the alias
+    assert _portable(make_cfg(store, "serve.draft_uri=null"))["serve"]["draft_uri"] is None
+
+
 def test_wrong_target_refused(store, target, tmp_path):
     """Same shape, other weights: refused by the weights hash; other vocab: by the vocab size;
     another tokenizer or chat template: by their hashes. Registered and directory drafts alike."""
