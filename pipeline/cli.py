@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if name == "submit":  # before the overrides, so that they stay a trailing list
-            p.add_argument("stage", help="featurize | train | register | eval | serve | run")
-        p.add_argument("-c", "--config", required=True, help="run config YAML (see jobs/configs/)")
+            # optional only for --attach, which follows a job already submitted (main checks)
+            p.add_argument("stage", nargs="?", help="featurize | train | register | eval | serve | run")
+        p.add_argument("-c", "--config", required=name != "submit", help="run config YAML (see jobs/configs/)")
         p.add_argument("overrides", nargs="*", help="section.field=value overrides")
         if name == "featurize":
             p.add_argument("--verify", metavar="STORE", help="re-check a store's checksums and row counts")
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265")
             p.add_argument("--no-wait", action="store_true", default=None, help="return after submitting")
+            p.add_argument(
+                "--timeout",
+                type=float,
+                metavar="SECONDS",
+                help="stop following the logs after SECONDS (the job keeps running; re-attach with --attach)",
+            )
+            p.add_argument("--attach", metavar="JOB_ID", help="follow an already submitted job's logs to its end")
         if name in ("eval", "tune-tree"):
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
         if name == "tune-tree":
@@ -132,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # overrides may come anywhere between options (argparse takes a positional list only once)
     args, extra = parser.parse_known_args(argv)
+    if args.command == "submit" and args.attach:
+        return attach(args, extra)
+    if args.command == "submit" and not (args.stage and args.config):
+        parser.error("griffin submit needs STAGE and -c CONFIG (or --attach JOB_ID)")
     overrides, stage_flags = split_extra(extra)
     if stage_flags and args.command != "submit":
         parser.error(f"unrecognized arguments: {' '.join(stage_flags)}")
@@ -168,20 +180,43 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if isinstance(result, dict) and args.command not in QUIET_COMMANDS:  # a quiet command printed its summary
         print(json.dumps(result, indent=2, default=str))
+    return exit_code(result)
+
+
+def exit_code(result: Any) -> int:
+    # a command may say more than pass/fail: `griffin submit` that stopped following a running job
+    if isinstance(result, dict) and "exit_code" in result:
+        return int(result["exit_code"])
     return 0 if result is not False else 1
 
 
 # The commands that write the run directory hold its lease (pipeline.lock) while they run. The others
-# only read it (mlflow-ui, featurize --verify), write elsewhere (assets: the cache; ship: drafts/), run
+# only read it (mlflow-ui, featurize --verify without --repair), write elsewhere (assets: the cache; ship: drafts/), run
 # beside a writer for days (serve reads a finished draft) or run nowhere near it (submit: the job's
 # driver runs jobs/<stage>.py -> main, and takes the lease there, where the stage runs).
 LOCKED_COMMANDS = ("regenerate", "featurize", "train", "register", "export", "eval", "tune-tree", "bench-serve", "run")
 
 
 def lease(command: str, cfg: RunConfig, flags: dict[str, Any], argv: list[str]) -> AbstractContextManager:
-    if command not in LOCKED_COMMANDS or (command == "featurize" and flags.get("verify")):
+    if command not in LOCKED_COMMANDS or (command == "featurize" and flags.get("verify") and not flags.get("repair")):
         return nullcontext()
     return run_lock(cfg.run_dir, shlex.join(["griffin", *argv]))
+
+
+def attach(args: argparse.Namespace, extra: list[str]) -> int:
+    """``griffin submit --attach JOB_ID --address ...``: no config, no stage; the job has both."""
+    from pipeline.submit import run_attach
+
+    if args.stage or args.config or args.overrides or extra:
+        print("griffin submit: error: --attach takes only --address and --timeout", file=sys.stderr)
+        return 2
+    try:
+        result = run_attach(args.attach, args.address, args.timeout)
+    except RuntimeError as error:  # the job ended as FAILED or STOPPED: its message says why
+        print(f"griffin submit: failed: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str))
+    return exit_code(result)
 
 
 QUIET_COMMANDS = ("run",)  # long commands whose console is a line per stage; the rest goes to a log file

@@ -62,11 +62,6 @@ def runtime_env(cfg: RunConfig) -> dict[str, Any]:
     return {**env, **extra}
 
 
-async def _stream_logs(client, job_id: str) -> None:
-    async for lines in client.tail_job_logs(job_id):
-        print(lines, end="", flush=True)
-
-
 def _submit_when_ready(submit: Any, wait_s: float = 120.0) -> str:
     """A freshly started head answers HTTP before its job agent is up ("No available agent to submit
     job"): retry that one error for ``wait_s``, fail on anything else."""
@@ -87,11 +82,12 @@ def run_submit(
     config_path: str | None = None,
     overrides: list[str] | None = None,
     no_wait: bool | None = False,
-    timeout_s: float = 3600,
+    timeout: float | None = None,
     stage_flags: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Submit, stream the logs until the job ends (unless ``no_wait``), return its status."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    """Submit, then follow the logs until the job ends (unless ``no_wait``) and return its status.
+    ``timeout`` bounds only the following: the job itself runs as long as it needs."""
+    from ray.job_submission import JobSubmissionClient
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     client = JobSubmissionClient(address)
@@ -108,16 +104,63 @@ def run_submit(
     )
     print(f"[submit] {stage} -> {address} as {job_id}: {entrypoint}", flush=True)
     if no_wait:
+        print(f"[submit] follow it with: {attach_command(job_id, address)}", flush=True)
         return {"job_id": job_id, "status": str(client.get_job_status(job_id))}
+    return follow(client, job_id, address, timeout)
+
+
+def run_attach(job_id: str, address: str, timeout: float | None = None) -> dict[str, Any]:
+    """``griffin submit --attach JOB_ID``: follow an existing job's logs (from their start) to its end."""
+    from ray.job_submission import JobSubmissionClient
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    client = JobSubmissionClient(address)
+    print(f"[submit] following {job_id} on {address} ({client.get_job_status(job_id)})", flush=True)
+    return follow(client, job_id, address, timeout)
+
+
+def attach_command(job_id: str, address: str) -> str:
+    return f"griffin submit --attach {job_id} --address {address}"
+
+
+def follow(client: Any, job_id: str, address: str, timeout: float | None) -> dict[str, Any]:
+    """Print the job's logs until it ends and return its final status, or raise with its message.
+
+    Stopping to follow (``timeout`` or Ctrl-C) never stops the job: a long training run outlives the
+    terminal that submitted it, and the printed command picks it up again."""
+    from ray.job_submission import JobStatus
+
     try:
-        asyncio.run(asyncio.wait_for(_stream_logs(client, job_id), timeout=timeout_s))
-    except asyncio.TimeoutError:
-        client.stop_job(job_id)
-    deadline = time.time() + 60
-    status = client.get_job_status(job_id)
-    while not status.is_terminal() and time.time() < deadline:
-        time.sleep(1)
+        status = asyncio.run(asyncio.wait_for(_follow_to_end(client, job_id), timeout=timeout))
+    except (asyncio.TimeoutError, KeyboardInterrupt) as reason:
+        why = "Ctrl-C" if isinstance(reason, KeyboardInterrupt) else f"--timeout {timeout:g}s"
         status = client.get_job_status(job_id)
+        print(
+            f"\n[submit] stopped following {job_id} ({why}); the job keeps running ({status}).\n"
+            f"[submit] re-attach: {attach_command(job_id, address)}\n"
+            f"[submit] stop it:   ray job stop {job_id} --address {address}",
+            flush=True,
+        )
+        return {"job_id": job_id, "status": str(status), "following": "detached", "exit_code": DETACHED_EXIT}
     if status != JobStatus.SUCCEEDED:
-        raise RuntimeError(f"job {job_id} ({stage}) ended as {status}: {client.get_job_info(job_id).message}")
+        raise RuntimeError(f"job {job_id} ended as {status}: {client.get_job_info(job_id).message}")
     return {"job_id": job_id, "status": str(status)}
+
+
+# sysexits' EX_TEMPFAIL: not a success (`griffin submit a && griffin submit b` must not start b while a
+# still runs) and not a failure either: the job's outcome is still to come
+DETACHED_EXIT = 75
+
+
+async def _follow_to_end(client: Any, job_id: str) -> Any:
+    try:
+        async for lines in client.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+    except RuntimeError as error:  # the log stream dropped (a head restart): the job may still run
+        print(f"[submit] log stream of {job_id} lost ({error}); waiting for the job to end", flush=True)
+    # the stream closes when the driver exits; the job's status lands a moment later
+    status = await asyncio.to_thread(client.get_job_status, job_id)
+    while not status.is_terminal():
+        await asyncio.sleep(1.0)
+        status = await asyncio.to_thread(client.get_job_status, job_id)
+    return status

@@ -5,6 +5,7 @@ with the job."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,6 +200,34 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
     assert "jobs.train -c jobs/configs/tiny.yaml --stage 2" in second.stdout
     assert "stage 1 already complete" in second.stdout
     assert (tmp_path / "cluster" / "train" / "stage2" / "_complete.json").exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_job_outlives_its_log_follow_and_is_reattached_to_its_end(two_node_cluster, tmp_path):
+    # a 2 s follow is shorter than any job's start (runtime env, imports, Ray Data): the job is still
+    # running when the CLI lets go of it, and it must not be stopped for that
+    first = submit("featurize", two_node_cluster, tmp_path, "data.limit=8", "--timeout", "2")
+    assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "the job keeps running (PENDING)" in first.stdout or "the job keeps running (RUNNING)" in first.stdout
+    job_id = re.search(r"griffin submit --attach (\S+) --address", first.stdout).group(1)
+    assert f"as {job_id}:" in first.stdout  # the id is on the console from the start, too
+
+    attached = attach(job_id, two_node_cluster)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-3000:]
+    assert json.loads(attached.stdout[attached.stdout.rindex("{") :])["status"] == "SUCCEEDED"
+    manifest = json.loads((tmp_path / "cluster" / "features" / "_manifest.json").read_text())
+    assert manifest["complete"]  # the job ran to its end after the first follow let go
+
+    # following a job that failed ends with its status and message, and a failure exit code
+    failed = submit("register", two_node_cluster, tmp_path / "empty", "--no-wait")
+    failed_id = re.search(r"--attach (\S+) --address", failed.stdout).group(1)
+    reattached = attach(failed_id, two_node_cluster)
+    assert reattached.returncode == 1 and f"job {failed_id} ended as FAILED" in reattached.stderr, reattached.stderr
+
+
+def attach(job_id: str, address: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pipeline.cli", "submit", "--attach", job_id, "--address", address]
+    return subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 
 def check_each_rank_reads_its_share(audit: list[list[dict]], manifest: dict, store: Path) -> None:

@@ -79,6 +79,11 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     tree = json.loads((run_dir / "eval" / "report.json").read_text())["tree"]
     assert float(tags["eval.mt_bench.T0.tau"]) >= 1.0 and tags["eval_run_id"]
     assert tags["eval_tree"] == f"{tree['total_tokens']}/{tree['depth']}/{tree['top_k']}"
+    gate = json.loads(tags["eval.gate"])  # what promotion read: τ and violations from one write
+    assert (
+        gate["violations"] == 0
+        and abs(gate["tau"]["eval.mt_bench.T0.tau"] - float(tags["eval.mt_bench.T0.tau"])) < 1e-4
+    )
 
     second = griffin("run", "-c", "jobs/configs/tiny.yaml", *overrides(tmp_path, "e2e"), *steps)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -166,9 +166,15 @@ class TrainSection(Section):
     eval_every: int = Field(default=50, ge=1)
     checkpoint_every: int = Field(default=50, ge=1)
     num_to_keep: int = Field(default=2, ge=1)
-    max_failures: int = Field(default=2, ge=0)
+    max_failures: int = Field(
+        default=2, ge=-1, description="worker-group restarts after a crash (-1: no limit); preemptions are not counted"
+    )
+    max_same_failures: int | None = Field(
+        default=3, ge=1, description="stop after the same crash this many times in a row with no checkpoint between"
+    )
     seed: int = 0
-    debug_fail_at_step: int | None = Field(default=None, ge=1, description="testing hook: raise once at this step")
+    debug_fail_at_step: int | None = Field(default=None, ge=1, description="testing hook: raise at this step")
+    debug_fail_times: int = Field(default=1, ge=1, description="testing hook: on this many arrivals at the step")
 
 
 class TrackingSection(Section):

@@ -313,7 +313,7 @@ def _log_model_metrics(mlflow: Any, metrics: dict[str, float], drafts: dict[str,
 def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str | None) -> str:
     """One MLflow run with the metrics, config and report files, tagged with the draft's model version;
     the version itself gets the measured tau as tags (``eval.<dataset>.T<t>.tau``) for promotion."""
-    from pipeline.registry.register import VIOLATIONS_TAG
+    from pipeline.registry.register import record_evaluation
     from pipeline.runtime import setup_mlflow
 
     mlflow = setup_mlflow(cfg)
@@ -330,15 +330,13 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
     for label, uri in {"griffin": draft_uri, **cfg.eval.extra_drafts}.items():
         if version := _registry_version(uri):
             name, number = version["draft_model_name"], version["draft_model_version"]
-            client = mlflow.MlflowClient()
-            for key, value in report["metrics"].items():
-                if key.endswith(f"/tau/{label}"):
-                    client.set_model_version_tag(
-                        name, number, f"eval.{key.removesuffix(f'/{label}').replace('/', '.')}", f"{value:.4f}"
-                    )
-            client.set_model_version_tag(name, number, "eval_run_id", run.info.run_id)
-            client.set_model_version_tag(name, number, "eval_tree", f"{tree.total_tokens}/{tree.depth}/{tree.top_k}")
+            taus = {
+                f"eval.{key.removesuffix(f'/{label}').replace('/', '.')}": value
+                for key, value in report["metrics"].items()
+                if key.endswith(f"/tau/{label}")
+            }
             # a real T=0 divergence (not a bf16 near-tie) blocks promotion (registry._refusal)
             broken = sum(m["method"] == label for result in report["results"].values() for m in violations(result))
-            client.set_model_version_tag(name, number, VIOLATIONS_TAG, str(broken))
+            about = {"eval_run_id": run.info.run_id, "eval_tree": f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"}
+            record_evaluation(mlflow.MlflowClient(), name, number, taus, broken, **about)
     return run.info.run_id

@@ -43,6 +43,10 @@ from pipeline.resources.targets import load_target
 CANDIDATE, CHAMPION = "candidate", "champion"
 LOGGED_MODEL_NAME = "draft"
 VIOLATIONS_TAG = "eval.violations"  # model-version tag: T=0 divergences beyond a bf16 near-tie
+# The promotion gate's inputs from one evaluation, τ per dataset and temperature with the violations,
+# as one JSON tag: one tag write is atomic, a batch of tags is not, and an evaluation that died between
+# writing τ and writing its violations once let `register --promote` pass a draft that had diverged
+GATE_TAG = "eval.gate"
 TARGET_TAGS = (
     "target_id",
     "target_weights_sha256",
@@ -251,6 +255,44 @@ def recorded_tau(tags: dict[str, str], benchmark: str) -> float | None:
     return None
 
 
+def record_evaluation(
+    client: MlflowClient, name: str, version: str, taus: dict[str, float], violations: int, **about: str
+) -> None:
+    """What one evaluation measured, onto a version: the gate record (``GATE_TAG``) first, in one write,
+    then the same figures as loose tags for people and the MLflow UI (``eval.<dataset>.T<t>.tau``,
+    ``eval.violations``, ``about``: the run and tree). ``taus`` is keyed by those loose tag names.
+    Promotion reads only the gate record, so a crash anywhere here leaves it whole or absent."""
+    record = {"tau": {key: float(value) for key, value in taus.items()}, "violations": int(violations), **about}
+    client.set_model_version_tag(name, version, GATE_TAG, json.dumps(record, sort_keys=True))
+    for key, value in {**{k: f"{v:.4f}" for k, v in taus.items()}, VIOLATIONS_TAG: str(violations), **about}.items():
+        client.set_model_version_tag(name, version, key, value)
+
+
+def measured(tags: dict[str, str], benchmark: str, tau: float | None = None) -> tuple[float | None, int, str | None]:
+    """(τ, T=0 violations, why there is no τ) for a candidate's promotion. τ and violations come from
+    the same evaluation's gate record; a τ passed in (or recorded by an earlier ``promote(..., tau)``)
+    is the caller's word and meets the latest violations count. Loose ``eval.*`` τ without a gate
+    record are half an evaluation's writes: never promoted on."""
+    record = json.loads(tags[GATE_TAG]) if GATE_TAG in tags else None
+    violations = int(record["violations"]) if record else int(tags.get(VIOLATIONS_TAG, "0"))
+    if tau is not None:
+        return float(tau), violations, None
+    if record and (tau := recorded_tau(record["tau"], benchmark)) is not None:
+        return tau, violations, None
+    if tau_tag(benchmark) in tags:
+        return float(tags[tau_tag(benchmark)]), violations, None
+    if record is None and recorded_tau(tags, benchmark) is not None:
+        return (
+            None,
+            violations,
+            (
+                f"its evaluation τ on {benchmark!r} has no gate record ({GATE_TAG}, τ with the T=0 violations): "
+                "that evaluation stopped before it finished recording; rerun `griffin eval`, then promote"
+            ),
+        )
+    return None, violations, f"no measured τ on {benchmark!r}: run `griffin eval`, then promote"
+
+
 def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchmark: str | None = None) -> dict:
     """Record τ (acceptance length, docs/design.md §8) of ``version`` on ``benchmark`` as tag
     ``tau.<benchmark>`` and move ``champion`` to it only if τ beats the champion's τ there (the first
@@ -261,10 +303,9 @@ def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchm
     setup_mlflow(cfg)
     client, name = MlflowClient(), cfg.model_name
     candidate = client.get_model_version(name, str(version))
-    tau = recorded_tau(candidate.tags, benchmark) if tau is None else float(tau)
+    tau, violations, missing = measured(candidate.tags, benchmark, tau)
     if tau is None:
-        reason = f"version {version} has no measured τ on {benchmark!r}: run `griffin eval`, then promote"
-        return {**result, "tau": None, "reason": reason}
+        return {**result, "tau": None, "reason": f"version {version}: {missing}"}
     if not (math.isfinite(tau) and tau >= 1.0):
         raise ValueError(f"tau={tau} is not an acceptance length (tokens per target pass, always >= 1)")
     client.set_model_version_tag(name, str(version), key, repr(tau))
@@ -272,7 +313,7 @@ def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchm
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:  # no champion yet
         champion = None
-    refusal = _refusal(candidate, champion, tau, benchmark)
+    refusal = _refusal(candidate, champion, tau, benchmark, violations)
     if refusal:
         return {**result, "tau": tau, "reason": refusal}
     client.set_registered_model_alias(name, CHAMPION, str(version))
@@ -286,11 +327,11 @@ def promote(cfg: RunConfig, version: int | str, tau: float | None = None, benchm
     return {**result, "promoted": True, "tau": tau, "reason": reason}
 
 
-def _refusal(candidate, champion, tau: float, benchmark: str) -> str | None:
+def _refusal(candidate, champion, tau: float, benchmark: str, violations: int) -> str | None:
     """Why ``candidate`` may not replace ``champion`` (None: it may)."""
-    if int(candidate.tags.get(VIOLATIONS_TAG, "0")):
+    if violations:
         return (
-            f"version {candidate.version} decoded {candidate.tags[VIOLATIONS_TAG]} T=0 generations that differ "
+            f"version {candidate.version} decoded {violations} T=0 generations that differ "
             f"from vanilla beyond a bf16 near-tie (eval run {candidate.tags.get('eval_run_id')}): a lossless "
             "decoder never does; see the evaluation report's divergences before promoting anything"
         )

@@ -399,14 +399,32 @@ class ServeArgs(BaseModel):
 
 
 def _portable(cfg: RunConfig) -> dict[str, Any]:
-    """The config with local paths made absolute: replicas may start in another working directory."""
+    """The config with local paths made absolute (replicas may start in another working directory) and
+    the draft's registry alias pinned to its version (``pinned_draft``)."""
     data = cfg.resolved()
     data["output_dir"] = str(Path(cfg.output_dir).resolve())
+    data["serve"]["draft_uri"] = pinned_draft(cfg)
     for section, key in (("serve", "draft_uri"), ("target", "name")):
         value = data[section][key]
         if value and Path(value).exists():
             data[section][key] = str(Path(value).resolve())
     return data
+
+
+def pinned_draft(cfg: RunConfig) -> str | None:
+    """``models:/NAME@ALIAS`` -> ``models:/NAME/<version>``, resolved once when the application is built:
+    a replica that replaces a dead one loads the version its peers loaded, not whatever the alias names
+    by then (moving ``champion`` reaches the endpoint with the next deploy)."""
+    uri = cfg.serve.draft_uri
+    if not (uri and uri.startswith("models:/") and "@" in uri):
+        return uri
+    from mlflow import MlflowClient
+
+    from pipeline.runtime import setup_mlflow
+
+    setup_mlflow(cfg)
+    name, alias = uri.removeprefix("models:/").split("@", 1)
+    return f"models:/{name}/{MlflowClient().get_model_version_by_alias(name, alias).version}"
 
 
 def app_builder(args: dict[str, Any] | ServeArgs) -> Application:

@@ -31,6 +31,7 @@ from pipeline.files import atomic_write_json, atomic_write_text, read_marker
 from pipeline.runtime import ensure_ray, feature_dataset, recorded_run, setup_mlflow
 from pipeline.data.integrity import require_unique_ids
 from pipeline.data.store import check_capture_key, part_files
+from pipeline.train import failures
 from pipeline.train.feed import data_config, online_datasets, stored_datasets
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.targets import draft_feature_layers, load_target, target_fingerprint
@@ -107,7 +108,9 @@ def _trainer(cfg: RunConfig, stage: StageSection, loop_config: dict[str, Any], d
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.train.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
             ),
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            # preemptions (a drained node) have their own budget, unlimited; max_failures counts the rest,
+            # bounded again by train.max_same_failures (pipeline.train.failures) when it is -1
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures, max_preemption_failures=-1),
         ),
     )
 
@@ -155,7 +158,14 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         # RUNNING while the workers log into it: rank 0's system metrics monitor stops when it ends
         mlflow.start_run(run_id=run_id, nested=True, log_system_metrics=False),
     ):
+        failures.clear(out)
         result = _trainer(cfg, stage, {**loop_config, "progress": channel}, context["datasets"]).fit()
+        if given_up := failures.exhausted(out, cfg.train.max_same_failures):
+            raise RuntimeError(
+                f"train stage {stage.stage} stopped after the same failure {given_up['count']} times in a row "
+                f"with no checkpoint between (train.max_same_failures): {given_up['message']} "
+                f"({given_up['signature']}; ledger {out / failures.LEDGER})"
+            )
     best_checkpoint, best_metrics = max(result.best_checkpoints, key=lambda item: item[1][SCORE])
     progress.update(stage.steps)
     progress.close(f"best held-out {SCORE.split('/')[-1]} {best_metrics[SCORE]:.3f}")

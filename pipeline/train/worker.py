@@ -36,6 +36,7 @@ from griffin.training import (
 from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.resources.targets import load_target
 from pipeline.data.store import table_rows
+from pipeline.train import failures
 from pipeline.train.batches import ShardFeed, feed_batch, shifted_batches
 
 SCORE = "eval/sim_accept_len"
@@ -230,11 +231,21 @@ def train_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     cfg = config_from_dict(config["run"])
-    with _rank0_tracking(cfg, config["mlflow_run_id"], ray.train.get_context().get_world_rank()) as client:
-        _train(config, cfg, client)
+    rank, stage_dir = ray.train.get_context().get_world_rank(), config["stage_dir"]
+    attempt, given_up = failures.start_attempt(stage_dir, rank, cfg.train.max_same_failures)
+    if given_up:  # returning ends the run (raising would be retried); the driver reports why
+        print(f"[train] rank {rank}: not starting: {given_up['count']} identical failures: {given_up['message']}")
+        return
+    at = {"checkpoint_step": 0}  # the last step saved: a failure after a newer one is not "the same" again
+    with _rank0_tracking(cfg, config["mlflow_run_id"], rank) as client:
+        try:
+            _train(config, cfg, client, at)
+        except Exception as error:
+            failures.record(stage_dir, attempt, error, at["checkpoint_step"])
+            raise
 
 
-def _train(config: dict[str, Any], cfg: RunConfig, client: Any) -> None:
+def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, int]) -> None:
     import ray
     import ray.train
     import ray.train.torch
@@ -249,6 +260,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any) -> None:
     optimizer = make_optimizer(draft, method, plan)
     scheduler = make_scheduler(optimizer, method, plan)
     step, epoch, taken = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
+    at["checkpoint_step"] = step
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
     shard = ray.train.get_dataset_shard("train")
     feed = ShardFeed(shard, rank, world, cfg.train.seed, cfg.train.batch_tokens, device, epoch, taken)
@@ -266,8 +278,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any) -> None:
         step += 1
         tokens_done += metrics["tokens"] * world
         _audit(Path(config["stage_dir"]), rank, step, ids, feed)
-        if cfg.train.debug_fail_at_step == step and not fail_marker.exists():
-            fail_marker.touch()
+        if cfg.train.debug_fail_at_step == step and failures.injected(fail_marker, cfg.train.debug_fail_times):
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
         report = {f"train/{k}": v for k, v in metrics.items()}
         do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
@@ -282,5 +293,6 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any) -> None:
                 provenance = {**config["provenance"], "step": step, "metrics": report}
                 _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, feed, rank, provenance)
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            at["checkpoint_step"] = step
         elif SCORE in report:
             ray.train.report(report)

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 import torch
+from mlflow.exceptions import MlflowException
 
 from griffin.model import GriffinDraft
 from griffin.checkpoint import save_draft
@@ -134,7 +135,7 @@ def test_promotion_gate(store, target, tmp_path):
     from mlflow import MlflowClient
 
     client = MlflowClient()
-    client.set_model_version_tag("promo-test", "1", "eval.mt_bench.T0.tau", "2.0")  # as `griffin eval` records it
+    registry.record_evaluation(client, "promo-test", "1", {"eval.mt_bench.T0.tau": 2.0}, 0)  # as `griffin eval` does
     assert registry.run_register(cfg, tmp_path / "d0", promote=True)["promotion"]["promoted"]
     refused = registry.promote(cfg, 2, 1.9)
     assert not refused["promoted"] and "does not beat" in refused["reason"]
@@ -145,9 +146,50 @@ def test_promotion_gate(store, target, tmp_path):
     assert client.get_model_version("promo-test", "2").tags["tau.mt_bench"] == "2.0"
     with pytest.raises(ValueError, match="acceptance length"):
         registry.promote(cfg, 3, 0.5)
-    client.set_model_version_tag("promo-test", "2", "eval.violations", "1")  # as `griffin eval` records it
+    registry.record_evaluation(client, "promo-test", "2", {"eval.mt_bench.T0.tau": 5.0}, 1)  # as `griffin eval` does
     blocked = registry.promote(cfg, 2, 5.0)
     assert not blocked["promoted"] and "beyond a bf16 near-tie" in blocked["reason"]
+    assert not registry.promote(cfg, 2)["promoted"]  # the evaluation's own τ meets its own violations
+
+
+def test_an_evaluation_cut_between_tau_and_violations_promotes_nothing(store, target, tmp_path):
+    """An evaluation that died after writing τ but before its violations leaves τ tags without the
+    gate record; promotion refuses instead of reading "no violations" from the missing tag. A finished
+    evaluation's record carries both, so re-measuring fixes it."""
+    cfg = make_cfg(store, "registry.model_name=cut-test")
+    make_draft(cfg, target, tmp_path / "d")
+    registry.register(cfg, tmp_path / "d")
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    client.set_model_version_tag("cut-test", "1", "eval.mt_bench.T0.tau", "3.0")  # what got written before the crash
+    refused = registry.promote(cfg, 1)
+    assert not refused["promoted"] and "rerun `griffin eval`" in refused["reason"], refused
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias("cut-test", "champion")
+
+    registry.record_evaluation(client, "cut-test", "1", {"eval.mt_bench.T0.tau": 3.0}, 2)  # the rerun found 2
+    blocked = registry.promote(cfg, 1)
+    assert not blocked["promoted"] and "decoded 2 T=0 generations" in blocked["reason"], blocked
+    registry.record_evaluation(client, "cut-test", "1", {"eval.mt_bench.T0.tau": 3.0}, 0)
+    assert registry.promote(cfg, 1)["promoted"]
+    assert client.get_model_version("cut-test", "1").tags["eval.violations"] == "0"  # loose copies for people
+
+
+def test_served_alias_is_pinned_to_its_version_when_the_app_is_built(store, target, tmp_path):
+    """Every replica of one deployment, a replacement for a dead one included, loads the same version:
+    the alias is resolved once, in the driver, and moving it later does not reach a running app."""
+    from pipeline.serve.app import _portable
+
+    cfg = make_cfg(store, "registry.model_name=pin-test", "serve.draft_uri=models:/pin-test@candidate")
+    make_draft(cfg, target, tmp_path / "d0", seed=0)
+    registry.register(cfg, tmp_path / "d0")
+    built = _portable(cfg)
+    make_draft(cfg, target, tmp_path / "d1", seed=1)
+    registry.register(cfg, tmp_path / "d1")  # candidate moves to version 2
+    assert built["serve"]["draft_uri"] == "models:/pin-test/1"
+    assert _portable(cfg)["serve"]["draft_uri"] == "models:/pin-test/2"  # the next deploy follows the alias
+    assert _portable(make_cfg(store, "serve.draft_uri=null"))["serve"]["draft_uri"] is None
 
 
 def test_wrong_target_refused(store, target, tmp_path):

@@ -158,6 +158,39 @@ def test_resume_after_crash_gives_identical_weights(store, schedule_run):
             assert all(torch.equal(ours[key][n], theirs[key][n]) for n in theirs[key])
 
 
+@pytest.mark.timeout(600)
+def test_the_same_crash_in_a_row_stops_unlimited_restarts(store):
+    """``train.max_failures=-1`` restarts a preempted group forever, so a deterministic crash is
+    bounded by ``train.max_same_failures``: the same error from the same checkpoint twice, and the
+    third attempt's workers refuse to start; the driver says which error. Both ranks raise each time,
+    and each attempt still counts once."""
+    from pipeline.train import driver, failures
+
+    cfg = train_cfg(
+        store,
+        "same-crash",
+        "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]",
+        "train.max_failures=-1",
+        "train.max_same_failures=2",
+        "train.debug_fail_at_step=3",
+        "train.debug_fail_times=1000",  # every arrival at step 3, on any rank, raises
+    )
+    failure_config = driver._trainer(cfg, cfg.train.schedule[0], {}, {}).run_config.failure_config
+    assert (failure_config.max_failures, failure_config.max_preemption_failures) == (-1, -1)
+    with pytest.raises(RuntimeError, match="same failure 2 times in a row") as raised:
+        run_train(cfg)
+    assert "injected failure at step 3" in str(raised.value)
+    ledger = failures.read(stage_dir(cfg, 1))
+    assert (ledger["count"], ledger["checkpoint_step"]) == (2, 2)
+    log = [json.loads(x)["step"] for x in (stage_dir(cfg, 1) / "data_rank0.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 3]  # two attempts reached step 3 from the step-2 checkpoint; the third never trained
+
+    # a rerun is someone's decision to try again: the count starts afresh, and with the fault gone it finishes
+    fixed = train_cfg(store, "same-crash", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]", "train.max_failures=-1")
+    run_train(fixed)
+    assert (stage_dir(fixed, 1) / "_complete.json").exists() and failures.read(stage_dir(fixed, 1)) is None
+
+
 def test_rerun_skips_completed_stages(schedule_run, capsys):
     cfg, _ = schedule_run
     run_train(cfg)
