@@ -170,8 +170,8 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
         rows,
         "train.num_workers=2",
         "train.resources={griffin_slot: 1}",
-        "train.schedule=[{stage: 1, steps: 16}]",
-        "train.checkpoint_every=16",
+        "train.schedule=[{stage: 1, steps: 8}]",  # >= one epoch: 21 rows a rank, >= 4 a step
+        "train.checkpoint_every=8",
     )
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     audit = [
@@ -183,7 +183,7 @@ def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
     assert (tmp_path / "cluster" / "train" / "best" / "model.safetensors").exists()
 
     # a stage's own flags travel with the job: stage 1 is done, `--stage 2` trains only stage 2 from it
-    two_stages = "train.schedule=[{stage: 1, steps: 16}, {stage: 2, steps: 2}]"
+    two_stages = "train.schedule=[{stage: 1, steps: 8}, {stage: 2, steps: 2}]"
     second = submit(
         "train",
         two_node_cluster,
