@@ -362,7 +362,14 @@ def test_rayservice_builds_the_decoder_app(docs, manifests, cfg):
     module_name, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module_name), attr)
     assert builder is importlib.import_module("pipeline.serve.app").app_builder
-    assert isinstance(builder(app["args"]), serve.Application)  # the args load the config; nothing runs
+    # the args load the config and nothing runs. Building pins a registry alias to its version (a
+    # lookup in the cluster's MLflow, tests/pipeline/test_registry.py), so here the draft is a directory
+    assert load_config(app["args"]["config"], app["args"]["overrides"]).serve.draft_uri.startswith("models:/")
+    local = {
+        **app["args"],
+        "overrides": [*app["args"]["overrides"], f"serve.draft_uri={REPO / 'drafts/smollm2-135m-instruct/griffin'}"],
+    }
+    assert isinstance(builder(local), serve.Application)
     args_cfg = load_config(REPO / app["args"]["config"], app["args"].get("overrides", []))
     assert config["http_options"]["port"] == args_cfg.serve.port
     assert config["http_options"]["host"] == "0.0.0.0"  # inside the pod; exposed by the ClusterIP serve service
