@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import traceback
 import uuid
 from pathlib import Path
 from typing import Any
+
+from pipeline.files import atomic_write_json
 
 LEDGER = "_failures.json"
 
@@ -81,9 +82,7 @@ def record(stage_dir: str | Path, attempt: str, error: BaseException, checkpoint
             "checkpoint_step": checkpoint_step,
             "count": previous["count"] + 1 if same else 1,
         }
-        tmp = stage_dir / f"{LEDGER}.{attempt}.tmp"
-        tmp.write_text(json.dumps(entry, indent=2))
-        os.replace(tmp, stage_dir / LEDGER)  # whole or absent, whatever kills the writer
+        atomic_write_json(stage_dir / LEDGER, entry)  # whole or absent, whatever kills the writer
         return entry
 
 

@@ -264,12 +264,18 @@ def test_out_of_vocab_positions_leave_every_loss():
         token_alignable_step(draft, batch, cfg, plan, backward=False)
 
 
-def _ddp_full_backprop(rank: int, port: int, out: str) -> None:
+def _ddp_full_backprop(rank: int, rendezvous: str, out: str) -> None:
     """One rank: a DDP-wrapped GRIFFIN-3 draft, one full-TTT step (three forwards, one backward)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # a file rendezvous: no port to race for with the Ray workers of the rest of the suite; a time
+    # limit, so that a stuck rendezvous fails instead of hanging
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     torch.manual_seed(0)
     target = make_target("llama", num_hidden_layers=5)
     draft = GriffinDraft.for_target(target, variant="griffin3")
@@ -286,14 +292,9 @@ def _ddp_full_backprop(rank: int, port: int, out: str) -> None:
 def test_full_backprop_under_ddp_matches_one_process(tmp_path):
     """Under DDP (as Ray Train wraps the draft), full TTT backprop's three forwards and one backward
     give every rank the mean of the two ranks' single-process gradients."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_full_backprop, args=(port, str(tmp_path / "grads.pt")), nprocs=2, join=True)
+    mp.spawn(_ddp_full_backprop, args=(str(tmp_path / "rendezvous"), str(tmp_path / "grads.pt")), nprocs=2, join=True)
     ddp = torch.load(tmp_path / "grads.pt", weights_only=True)
     torch.manual_seed(0)
     target = make_target("llama", num_hidden_layers=5)
