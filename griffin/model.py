@@ -66,6 +66,16 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hk, T, Dh) at [length, length + T) -> every valid entry's (B, Hk, S, Dh) views, no copy."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"draft KV cache overflow: need {end} > capacity {self.capacity}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
 
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
@@ -89,19 +99,13 @@ class DraftAttention(nn.Module):
         rope_q: tuple[Tensor, Tensor],  # cos, sin: (Tq, Dh)
         rope_kv: tuple[Tensor, Tensor],  # cos, sin: (Tk, Dh)
         mask: Tensor,  # (Tq, S) or (B, 1, Tq, S) bool, True = attend
-        cache: KVCache | None = None,
+        cache: Any = None,  # a KVCache, or griffin.rows.RowCache (several requests, a length each)
     ) -> Tensor:
         q = apply_rope(self._heads(self.q_proj(x_q), self.n_heads), *rope_q)  # (B, Hq, Tq, Dh)
         k = apply_rope(self._heads(self.k_proj(x_kv), self.n_kv_heads), *rope_kv)  # (B, Hk, Tk, Dh)
         v = self._heads(self.v_proj(x_kv), self.n_kv_heads)  # (B, Hk, Tk, Dh)
         if cache is not None:
-            start, end = cache.length, cache.length + k.shape[2]
-            if end > cache.capacity:
-                raise RuntimeError(f"draft KV cache overflow: need {end} > capacity {cache.capacity}")
-            cache.k[:, :, start:end] = k
-            cache.v[:, :, start:end] = v
-            cache.length = end
-            k, v = cache.k[:, :, :end], cache.v[:, :, :end]  # (B, Hk, S, Dh) views, no copy
+            k, v = cache.append(k, v)  # (B, Hk, S, Dh)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
         )  # (B, Hq, Tq, Dh)
@@ -302,8 +306,11 @@ class GriffinDraft(nn.Module):
         return self.layer.self_attn.q_proj.weight.dtype
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, Dh/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (T, Dh)
+        """positions (T,) -> cos, sin (T, Dh); per-row positions (B, T) -> (B, 1, T, Dh), over the heads."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, Dh/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (..., T, Dh)
+        if positions.ndim == 2:
+            emb = emb[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -403,9 +410,9 @@ class GriffinDraft(nn.Module):
     def step(
         self, features: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """features (1, T, D): the target's (through ``fuse_target``) or the draft's own R; tokens
-        (1, T), positions (T,), mask (T, cache.length + T) bool. Appends T entries to ``cache``;
-        returns P, R: (1, T, D)."""
+        """features (B, T, D): the target's (through ``fuse_target``) or the draft's own R; tokens
+        (B, T), positions (T,) or per row (B, T), mask (T, S) or per row (B, 1, T, S) bool over the
+        cached entries + the new ones. Appends T entries (per row) to ``cache``; returns P, R: (B, T, D)."""
         residual, x = self._layer_inputs(self.embed(tokens).to(self.param_dtype), features.to(self.param_dtype))
         rope = self.rope(positions, x.dtype)
         return self.layer(residual, x, x, rope, rope, mask, cache)

@@ -304,34 +304,45 @@ class TargetAdapter:
         return ids
 
     # ---- cache -------------------------------------------------------------------------
-    def new_cache(self, capacity: int) -> TargetCache:
+    def kv_shape(self, capacity: int, rows: int = 1) -> tuple[int, int, int, int]:
+        """One layer's KV buffer: (rows, Hk, capacity, Dh)."""
         cfg = self.hf_config
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (1, n_kv, capacity, head_dim)
+        return (rows, n_kv, capacity, head_dim)
+
+    def new_cache(self, capacity: int) -> TargetCache:
+        shape = self.kv_shape(capacity)
         layers = [
             PreallocatedLayer(
                 torch.empty(shape, dtype=self.dtype, device=self.device),
                 torch.empty(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(self.hf_config.num_hidden_layers)
         ]
         return TargetCache(layers)
+
+    def new_row_cache(self, rows: int, capacity: int) -> "RowCache":
+        """A KV cache of ``rows`` request slots, a length each (griffin.rows; the batching engine's)."""
+        from griffin.rows import RowCache
+
+        shapes = [self.kv_shape(capacity, rows)] * self.hf_config.num_hidden_layers
+        return RowCache(shapes, self.dtype, self.device)
 
     # ---- forward passes ----------------------------------------------------------------
     @torch.inference_mode()
     def forward(
         self,
-        tokens: Tensor,  # (1, T)
-        cache: TargetCache,
-        positions: Tensor | None = None,  # (T,) absolute positions; default: contiguous
-        mask: Tensor | None = None,  # (T, S) bool over cache + new tokens; default: causal
+        tokens: Tensor,  # (B, T); B > 1 with a griffin.rows.RowCache only
+        cache: Cache,
+        positions: Tensor | None = None,  # (T,) or per row (B, T) absolute positions; default: contiguous
+        mask: Tensor | None = None,  # (T, S) or per row (B, T, S) bool over cache + new tokens; default: causal
         all_logits: bool = True,
         feature_layers: tuple[int, ...] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Runs the target on ``tokens`` after the cached prefix; appends their KV.
-        Returns features and logits (1, T, V) (or (1, 1, V) for the last). Features: the post-norm
-        last layer (1, T, D), or with ``feature_layers`` those hidden states (HF indices: 0 = the
+        Returns features and logits (B, T, V) (or (B, 1, V) for the last). Features: the post-norm
+        last layer (B, T, D), or with ``feature_layers`` those hidden states (HF indices: 0 = the
         embeddings, i = after layer i) concatenated, (1, T, k*D), what a multi-layer draft reads."""
         if positions is None:
             positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=self.device)
@@ -340,17 +351,17 @@ class TargetAdapter:
             # additive float mask works for both sdpa and eager attention
             attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
             attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
-            attn = attn[None, None]  # (1, 1, T, S)
+            attn = attn[None, None] if mask.ndim == 2 else attn[:, None]  # (B, 1, T, S)
         out = self.backbone(
             input_ids=tokens,
-            position_ids=positions[None],
+            position_ids=positions if positions.ndim == 2 else positions[None],
             attention_mask=attn,
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=list(feature_layers or []) or None,
         )
-        last = out.last_hidden_state  # (1, T, D), after the final norm
-        logits = self.lm_head(last if all_logits else last[:, -1:])  # (1, T|1, V)
+        last = out.last_hidden_state  # (B, T, D), after the final norm
+        logits = self.lm_head(last if all_logits else last[:, -1:])  # (B, T|1, V)
         return layer_features(out, feature_layers), logits.float()
 
     def verify(

@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from griffin.config import TreeConfig
 from griffin.model import GriffinDraft, KVCache
+from griffin.rows import row_mask
 
 
 @dataclass
@@ -70,14 +71,7 @@ def draft_tree(
     with record_function("griffin.draft.catch_up"):
         P, R = catch_up(draft, cache, features, tokens)  # (1, D) each
     if cfg.total_tokens == 1:
-        return _assemble(
-            root,
-            torch.empty(0),
-            torch.empty(0, dtype=torch.long),
-            torch.empty(0, dtype=torch.long),
-            torch.empty(0, dtype=torch.long),
-            0,
-        )
+        return root_tree(root)
     stable_len, K, device = cache.length, cfg.top_k, tokens.device
 
     # Level 1: the root's children. Scores are cumulative log-probs.
@@ -126,6 +120,12 @@ def draft_tree(
         )
 
 
+def root_tree(root: Tensor) -> DraftTree:
+    """The tree of just its root (1,): plain decoding's one token per row."""
+    empty = torch.empty(0, dtype=torch.long, device=root.device)
+    return _assemble(root, torch.empty(0, device=root.device), empty, empty, empty, 0)
+
+
 def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, n_keep: int) -> DraftTree:
     """Rerank the candidate pool (M,) to the n_keep best and build mask / depths / retrieve indices."""
     device = root.device
@@ -160,3 +160,69 @@ def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, dep
     rows, cols = mask[leaves].nonzero(as_tuple=True)
     retrieve[rows, all_depths[cols]] = cols
     return DraftTree(all_tokens, all_parents, all_depths, mask, retrieve, children)
+
+
+# ---- several requests at once (griffin.engine): rows [0, B) of a griffin.rows.RowCache ----------------
+def catch_up_rows(draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """``catch_up`` for rows [0, B): row b feeds its first counts_b pairs of features (B, T, D_f) and
+    tokens (B, T) (padded to T); the padding's entries are dropped again. Returns P, R of each row's
+    last real pair: (B, D) each."""
+    B, T = tokens.shape
+    starts, width = cache.slots.begin(0, B, T)
+    positions = starts[:, None] + torch.arange(T, device=tokens.device)  # (B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+    mask = row_mask(starts, causal, width)[:, None]  # (B, 1, T, W)
+    P, R = draft.step(draft.fuse_target(features), tokens, positions, cache, mask)  # (B, T, D)
+    cache.advance(0, counts, T)
+    last = (counts - 1)[:, None, None].expand(-1, 1, P.shape[-1])  # (B, 1, D)
+    return P.gather(1, last)[:, 0], R.gather(1, last)[:, 0]
+
+
+@torch.inference_mode()
+def draft_rows(draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, cfg: TreeConfig) -> list[DraftTree]:
+    """``draft_tree``'s levels for rows [0, B) at once, from each row's last caught-up P, R (B, D)
+    and its root token roots (B,); one tree per row. The tree's entries are dropped from the cache
+    at the end (zeroed: griffin.rows' invariant)."""
+    B, K, device = roots.shape[0], cfg.top_k, roots.device
+    if cfg.total_tokens == 1:
+        return [root_tree(roots[b : b + 1]) for b in range(B)]
+    stable = cache.slots.lengths[:B].clone()  # (B,)
+    scores, node_tokens = _top_k_log_probs(draft, P, K)  # (B, K)
+    pool_scores, pool_tokens = [scores], [node_tokens]
+    pool_parents = [torch.full((B, K), -1, dtype=torch.long, device=device)]
+    pool_depths = [torch.ones(B, K, dtype=torch.long, device=device)]
+    node_pool_idx = torch.arange(K, device=device).expand(B, K)  # (B, K)
+    node_features = R[:, None].expand(B, K, R.shape[-1])  # (B, K, D)
+    node_anc = torch.zeros(B, K, 0, dtype=torch.bool, device=device)  # (B, K, E)
+    eye = torch.eye(K, dtype=torch.bool, device=device).expand(B, K, K)
+    for level in range(2, cfg.depth + 1):
+        tree_rows = torch.cat([node_anc, eye], dim=2)  # (B, K, E+K)
+        _, width = cache.slots.begin(0, B, K)
+        mask = row_mask(stable, tree_rows, width)[:, None]  # (B, 1, K, W)
+        positions = (stable + level - 2)[:, None].expand(B, K)
+        with record_function("griffin.draft.level_step"):
+            P_l, R_l = draft.step(node_features, node_tokens, positions, cache, mask)  # (B, K, D)
+        cache.slots.lengths[:B] += K
+        child_lp, child_tokens = _top_k_log_probs(draft, P_l, K)  # (B, K, K)
+        cand_scores = (scores[:, :, None] + child_lp).flatten(1)  # (B, K*K); candidate c's parent is c // K
+        parent_local = torch.arange(K, device=device).repeat_interleave(K)  # (K*K,)
+        pool_scores.append(cand_scores)
+        pool_tokens.append(child_tokens.flatten(1))
+        pool_parents.append(node_pool_idx[:, parent_local])
+        pool_depths.append(torch.full((B, K * K), level, dtype=torch.long, device=device))
+        best = cand_scores.topk(K, dim=1).indices  # (B, K)
+        node_pool_idx = sum(s.shape[1] for s in pool_scores[:-1]) + best
+        scores, node_tokens = cand_scores.gather(1, best), child_tokens.flatten(1).gather(1, best)
+        parents = best // K  # (B, K)
+        node_features = R_l.gather(1, parents[..., None].expand(-1, -1, R_l.shape[-1]))
+        node_anc = tree_rows.gather(1, parents[..., None].expand(-1, -1, tree_rows.shape[-1]))
+    _drop_tree_entries(cache, stable, int(cache.slots.lengths[0] - stable[0]))
+    pools = [torch.cat(pool, dim=1) for pool in (pool_scores, pool_tokens, pool_parents, pool_depths)]
+    with record_function("griffin.draft.assemble"):
+        return [_assemble(roots[b : b + 1], *(pool[b] for pool in pools), cfg.total_tokens - 1) for b in range(B)]
+
+
+def _drop_tree_entries(cache, stable: Tensor, written: int) -> None:
+    """Rows [0, B) go back to their committed lengths ``stable`` (B,), the tree's ``written`` entries zeroed."""
+    cache.slots.lengths[: stable.numel()] = stable
+    cache.advance(0, torch.zeros_like(stable), written)

@@ -1,0 +1,328 @@
+"""The batching engine: several requests decode together, one round for all of them at a time.
+
+Each ``step()``:
+- admits at most one waiting request into a free slot and prefills it alone (a long prompt stalls
+  running rows for one prefill, never more);
+- picks the round's tree from the ``SpeculationPolicy`` for the number of active rows (``None``:
+  plain decoding, one token per row, the draft idle);
+- drafts every row's tree in one batched draft pass per level, verifies every row's tree in one
+  batched target pass (trees padded to the widest; see griffin.rows for per-row lengths);
+- accepts per row, with the row's own ``SamplingConfig`` and generator (griffin.verify), and hands
+  each row its committed tokens (``on_tokens``);
+- retires rows that finished, hit a stop token or were cancelled, freeing their slots at once.
+
+Lossless per request: a row's logits are those of its own prefix and tree (masked per row), so T=0
+output is the target's greedy output, and T>0 samples from the target's law with the row's own
+generator. Shape legend: B active rows, N tree nodes, D_f target features, V vocab.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import (
+    GenerationResult,
+    GenerationStats,
+    LogprobRecorder,
+    TokenCallback,
+    _append,
+    _check_request,
+    device_time,
+)
+from griffin.model import GriffinDraft
+from griffin.rows import RowCache, row_mask
+from griffin.target import TargetAdapter, decode_attention
+from griffin.tree import DraftTree, catch_up_rows, draft_rows, root_tree
+from griffin.verify import next_token, verify
+
+ROOT_ONLY = TreeConfig(total_tokens=1, depth=1, top_k=1)
+
+
+class SpeculationPolicy:
+    """The tree for each batch size: ``trees[b]`` for the largest listed b <= the batch; ``None`` =
+    plain decoding. E.g. {1: wide, 2: small, 4: None}: batch 3 uses small, batch 8 decodes plainly."""
+
+    def __init__(self, trees: dict[int, TreeConfig | None]):
+        if not trees or min(trees) != 1:
+            raise ValueError(f"a speculation policy needs an entry for batch size 1, got {sorted(trees)}")
+        self.trees = dict(sorted(trees.items()))
+
+    def tree_for(self, batch: int) -> TreeConfig | None:
+        return [tree for size, tree in self.trees.items() if size <= batch][-1]
+
+    def describe(self) -> dict[int, dict | None]:
+        return {size: (tree.model_dump() if tree else None) for size, tree in self.trees.items()}
+
+
+@dataclass
+class DecodeRequest:
+    prompt: list[int]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    generator: torch.Generator | None = None  # seeds T>0 sampling; on the target's device
+    stop_token_ids: list[int] | None = None  # None: the target's
+    speculative: bool = True  # False: this request never drafts (A/B through one endpoint)
+    on_tokens: TokenCallback | None = None  # each round's committed tokens; raising ends the request
+    logprobs: LogprobRecorder | None = None
+
+
+@dataclass
+class Row:
+    """A request's decode in progress, and, once ``done`` is set, its ``result`` or ``error``."""
+
+    request: DecodeRequest
+    stop: set[int]
+    out: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    pending_features: Tensor | None = None  # (T, D_f) committed positions the draft has not seen
+    pending_tokens: Tensor | None = None  # (T,) the token after each of them; the last is the root
+    finish: str | None = None
+    cancelled: bool = False
+    error: BaseException | None = None
+    result: GenerationResult | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def root(self) -> int:
+        return self.out[-1]
+
+
+class BatchEngine:
+    """One model replica's decoding: ``submit`` from any thread, ``step`` from one."""
+
+    def __init__(self, target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy, max_rows: int):
+        self.target, self.draft, self.policy, self.max_rows = target, draft, policy, max_rows
+        self.layers = draft.cfg.feature_layers if draft is not None else None
+        self.waiting: deque[Row] = deque()
+        self.rows: list[Row] = []  # active, row i in slot i
+        self.lock = threading.Condition()
+        widest = max((t.total_tokens for t in policy.trees.values() if t), default=1)
+        self.tree_slack = widest + max(((t.depth - 1) * t.top_k for t in policy.trees.values() if t), default=0)
+        self.cache = target.new_row_cache(max_rows, 64)
+        self.draft_cache = None
+        if draft is not None:
+            self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, 64, draft.param_dtype, target.device)
+        self.rounds, self.last_batch = 0, 0
+
+    # ---- requests ----
+    def submit(self, request: DecodeRequest) -> Row:
+        _check_request(self.target, torch.tensor([request.prompt]), request.max_new_tokens)
+        stop = set(self.target.stop_token_ids if request.stop_token_ids is None else request.stop_token_ids)
+        row = Row(request, stop)
+        with self.lock:
+            self.waiting.append(row)
+            self.lock.notify_all()
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """Ends ``row`` at the next round (or before it starts); its slot is free after that round."""
+        row.cancelled = True
+        with self.lock:
+            self.lock.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        with self.lock:
+            return self.lock.wait_for(lambda: self.busy, timeout)
+
+    def run_until_idle(self) -> None:
+        while self.busy:
+            self.step()
+
+    # ---- one round ----
+    @torch.inference_mode()
+    def step(self) -> None:
+        with decode_attention(self.target.device):
+            self._drop_cancelled_waiting()
+            if self.waiting and len(self.rows) < self.max_rows:
+                with self.lock:
+                    row = self.waiting.popleft()
+                self._admit(row)
+            self._retire()  # the admitted row may be done already; cancelled rows leave before the round
+            if self.rows:
+                self._round()
+            self._retire()
+
+    def _drop_cancelled_waiting(self) -> None:
+        with self.lock:
+            gone = [row for row in self.waiting if row.cancelled]
+            for row in gone:
+                self.waiting.remove(row)
+        for row in gone:
+            self._finish(row, "stop")
+
+    def _admit(self, row: Row) -> None:
+        """Prefill ``row`` alone in the next free slot: its first token, and its pairs for the draft."""
+        slot, req, device = len(self.rows), row.request, self.target.device
+        self._ensure_capacity(len(req.prompt) + req.max_new_tokens)
+        self.rows.append(row)
+        start = device_time(device)
+        ids = torch.tensor([req.prompt], device=device)  # (1, T)
+        starts, _ = self.cache.slots.begin(slot, slot + 1, ids.shape[1])
+        positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
+        try:
+            features, logits = self.target.forward(
+                ids, self.cache, positions, all_logits=False, feature_layers=self.layers
+            )  # (1, T, D_f), (1, 1, V)
+        except BaseException as error:
+            row.error = error
+            return
+        self.cache.slots.lengths[slot] += ids.shape[1]
+        token = next_token(logits[0, -1], req.sampling, req.generator)
+        row.stats.prefill_time = device_time(device) - start
+        if self.draft is not None:
+            row.pending_features = features[0]  # (T, D_f)
+            row.pending_tokens = torch.cat([ids[0, 1:], torch.tensor([token], device=device)])  # (T,)
+        self._deliver(row, [token], lambda: req.logprobs.score(logits[0, -1:], [token]))
+
+    def _ensure_capacity(self, need: int) -> None:
+        """Room for a request of ``need`` positions (prompt + new tokens) plus a tree; growing doubles.
+        The draft's rows also hold a catch-up padded to the longest pending run (at most a capacity)."""
+        need += self.tree_slack + 1
+        if need > self.cache.capacity:
+            self.cache.ensure_capacity(max(need, 2 * self.cache.capacity))
+        if self.draft_cache is not None:
+            self.draft_cache.ensure_capacity(2 * self.cache.capacity)
+
+    def _round(self) -> None:
+        rows, device = self.rows, self.target.device
+        drafting = self.draft is not None and any(row.request.speculative for row in rows)
+        tree = self.policy.tree_for(len(rows)) if drafting else None
+        start = device_time(device)
+        trees = self._draft(tree) if tree is not None else None
+        mid = device_time(device)
+        if trees is None:
+            roots = torch.tensor([row.root for row in rows], device=device)
+            trees = [root_tree(roots[b : b + 1]) for b in range(len(rows))]
+        with record_function("griffin.verify_forward"):
+            features, logits = self._verify_forward(trees)  # (B, N, D_f), (B, N, V)
+        paths = self._accept_and_commit(trees, logits)
+        end = device_time(device)
+        self.rounds, self.last_batch = self.rounds + 1, len(rows)
+        for b, (row, tree_b, path) in enumerate(zip(rows, trees, paths)):
+            row.stats.draft_time += mid - start
+            row.stats.verify_time += end - mid
+            row.stats.round_seconds.append((mid - start, end - mid))
+            row.stats.rounds += 1
+            row.stats.accepted_per_round.append(len(path) - 2)
+            committed = tree_b.tokens[torch.tensor(path[1:-1], dtype=torch.long)].tolist() + [path[-1]]
+            self._pend(row, features[b, torch.tensor(path[:-1], device=device)], committed)
+            lp = row.request.logprobs
+            accepted = torch.tensor(path[:-1], device=device)
+            self._deliver(row, committed, lambda lp=lp, a=accepted, b=b, c=committed: lp.score(logits[b, a], c))
+
+    def _draft(self, tree: TreeConfig) -> list[DraftTree]:
+        """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
+        then the levels, all rows at once. A request that asked for no draft keeps only its root."""
+        rows, device = self.rows, self.target.device
+        counts = torch.tensor([row.pending_tokens.numel() for row in rows], device=device)  # (B,)
+        width = int(counts.max())
+        features = torch.zeros(len(rows), width, rows[0].pending_features.shape[-1], device=device)
+        features = features.to(rows[0].pending_features.dtype)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        for b, row in enumerate(rows):
+            features[b, : counts[b]] = row.pending_features
+            tokens[b, : counts[b]] = row.pending_tokens
+            row.pending_features = row.pending_tokens = None
+        with record_function("griffin.draft.catch_up"):
+            P, R = catch_up_rows(self.draft, self.draft_cache, features, tokens, counts)  # (B, D)
+        roots = torch.tensor([row.root for row in rows], device=device)
+        with record_function("griffin.draft_tree"):
+            trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree)
+        return [t if row.request.speculative else root_tree(t.tokens[:1]) for row, t in zip(rows, trees)]
+
+    def _verify_forward(self, trees: list[DraftTree]) -> tuple[Tensor, Tensor]:
+        """One target pass over every row's tree, padded to the widest: a padding node sees only itself."""
+        B, N, device = len(trees), max(t.size for t in trees), self.target.device
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        depths = torch.zeros(B, N, dtype=torch.long, device=device)
+        block = torch.eye(N, dtype=torch.bool, device=device).repeat(B, 1, 1)  # (B, N, N)
+        for b, t in enumerate(trees):
+            tokens[b, : t.size], depths[b, : t.size] = t.tokens, t.depths
+            block[b, : t.size, : t.size] = t.mask
+        starts, width = self.cache.slots.begin(0, B, N)
+        mask = row_mask(starts, block, width)  # (B, N, W)
+        return self.target.forward(tokens, self.cache, starts[:, None] + depths, mask, feature_layers=self.layers)
+
+    def _accept_and_commit(self, trees: list[DraftTree], logits: Tensor) -> list[list[int]]:
+        """Per row: the accepted nodes (root first) then the next token, as [0, a1, .., aA, next];
+        the target KV keeps each row's accepted path."""
+        paths = []
+        with record_function("griffin.accept"):
+            for b, (row, t) in enumerate(zip(self.rows, trees)):
+                result = verify(t, logits[b, : t.size], row.request.sampling, row.request.generator)
+                paths.append(result.accepted_nodes + [result.next_token])
+        longest, device = max(len(p) - 1 for p in paths), self.target.device
+        nodes = torch.zeros(len(paths), longest, dtype=torch.long, device=device)
+        for b, p in enumerate(paths):
+            nodes[b, : len(p) - 1] = torch.tensor(p[:-1])
+        kept = torch.tensor([len(p) - 1 for p in paths], device=device)
+        with record_function("griffin.commit"):
+            self.cache.keep_paths(0, nodes, kept, max(t.size for t in trees))
+        return paths
+
+    def _pend(self, row: Row, features: Tensor, committed: list[int]) -> None:
+        """Queue the round's committed pairs for the draft's next catch-up."""
+        if self.draft is None:
+            return
+        tokens = torch.tensor(committed, device=features.device)
+        if row.pending_tokens is None:
+            row.pending_features, row.pending_tokens = features, tokens
+        else:  # a plain round: the draft was idle, its pairs accumulate
+            row.pending_features = torch.cat([row.pending_features, features])
+            row.pending_tokens = torch.cat([row.pending_tokens, tokens])
+
+    def _deliver(self, row: Row, tokens: list[int], scores) -> None:
+        req = row.request
+        try:
+            row.finish = _append(row.out, tokens, row.stop, req.max_new_tokens, req.on_tokens, req.logprobs, scores)
+        except BaseException as error:  # the consumer ended the request (client gone, stop sequence)
+            row.error = error
+
+    # ---- leaving ----
+    def _retire(self) -> None:
+        """Rows that finished, failed or were cancelled leave; the last active row moves into each freed slot."""
+        for slot in range(len(self.rows) - 1, -1, -1):
+            row = self.rows[slot]
+            if row.finish is None and row.error is None and not row.cancelled:
+                continue
+            last = len(self.rows) - 1
+            self.cache.release(slot, last)
+            if self.draft_cache is not None:
+                self.draft_cache.release(slot, last)
+            self.rows[slot] = self.rows[last]
+            self.rows.pop()
+            self._finish(row, row.finish or "stop")
+
+    def _finish(self, row: Row, reason: str) -> None:
+        logprobs = row.request.logprobs.entries if row.request.logprobs is not None else None
+        row.result = GenerationResult(row.out, row.stats, reason, logprobs)
+        row.done.set()
+
+
+def generate_batch(
+    target: TargetAdapter,
+    draft: GriffinDraft | None,
+    requests: list[DecodeRequest],
+    policy: SpeculationPolicy,
+    max_rows: int | None = None,
+) -> list[GenerationResult]:
+    """Decode ``requests`` together (offline use and tests); results in request order."""
+    engine = BatchEngine(target, draft, policy, max_rows or len(requests))
+    rows = [engine.submit(request) for request in requests]
+    engine.run_until_idle()
+    for row in rows:
+        if row.error is not None:
+            raise row.error
+    return [row.result for row in rows]
+
