@@ -225,8 +225,8 @@ class BatchEngine:
         """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
         then the levels, all rows at once. A request that asked for no draft keeps only its root."""
         rows, device = self.rows, self.target.device
-        counts = torch.tensor([row.pending_tokens.numel() for row in rows], device=device)  # (B,)
-        width = int(counts.max())
+        counts = [row.pending_tokens.numel() for row in rows]
+        width = max(counts)
         features = torch.zeros(len(rows), width, rows[0].pending_features.shape[-1], device=device)
         features = features.to(rows[0].pending_features.dtype)
         tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
@@ -262,13 +262,8 @@ class BatchEngine:
             for b, (row, t) in enumerate(zip(self.rows, trees)):
                 result = verify(t, logits[b, : t.size], row.request.sampling, row.request.generator)
                 paths.append(result.accepted_nodes + [result.next_token])
-        longest, device = max(len(p) - 1 for p in paths), self.target.device
-        nodes = torch.zeros(len(paths), longest, dtype=torch.long, device=device)
-        for b, p in enumerate(paths):
-            nodes[b, : len(p) - 1] = torch.tensor(p[:-1])
-        kept = torch.tensor([len(p) - 1 for p in paths], device=device)
         with record_function("griffin.commit"):
-            self.cache.keep_paths(0, nodes, kept, max(t.size for t in trees))
+            self.cache.keep_paths(0, [p[:-1] for p in paths], max(t.size for t in trees))
         return paths
 
     def _pend(self, row: Row, features: Tensor, committed: list[int]) -> None:

@@ -32,22 +32,33 @@ def row_mask(lengths: Tensor, block: Tensor, width: int) -> Tensor:
 
 
 class RowSlots:
-    """The lengths every layer of one model shares, and the window of the forward in progress."""
+    """The lengths every layer of one model shares, and the forward in progress: rows [lo, hi), each
+    appending ``new`` entries. Lengths live in Python (no device sync to read them); ``uniform``
+    forwards (one row, or rows of equal length) write and compact with slices, not index tensors."""
 
     def __init__(self, slots: int, device: torch.device):
-        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # (S,)
-        self.lo, self.hi, self.new = 0, 0, 0  # the forward's rows [lo, hi) and its new tokens per row
+        self.lengths = [0] * slots
+        self.device = device
+        self.lo, self.hi, self.new, self.width = 0, 0, 0, 0
+        self.cols: Tensor | None = None  # (B, T) the columns a non-uniform forward writes
 
     def begin(self, lo: int, hi: int, new: int) -> tuple[Tensor, int]:
-        """A forward over rows [lo, hi) appending ``new`` entries each: (starts (B,), width)."""
+        """Starts a forward over rows [lo, hi) appending ``new`` entries each: (starts (B,), width)."""
         self.lo, self.hi, self.new = lo, hi, new
         starts = self.lengths[lo:hi]
-        return starts, int(starts.max()) + new
+        self.width = max(starts) + new
+        starts_t = torch.tensor(starts, device=self.device)
+        self.cols = None if self.uniform else starts_t[:, None] + torch.arange(new, device=self.device)
+        return starts_t, self.width
 
-    def write_positions(self) -> Tensor:
-        """(B, T) the columns this forward writes: row b's [length_b, length_b + T)."""
+    @property
+    def uniform(self) -> bool:
         starts = self.lengths[self.lo : self.hi]
-        return starts[:, None] + torch.arange(self.new, device=starts.device)[None, :]
+        return min(starts) == max(starts)
+
+    def rows(self) -> Tensor:
+        """(B, 1) the slot index of each row of the forward."""
+        return torch.arange(self.lo, self.hi, device=self.device)[:, None]
 
 
 class RowTensors:
@@ -59,24 +70,38 @@ class RowTensors:
 
     def write(self, slots: RowSlots, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """keys/values (B, Hk, T, Dh) of rows [lo, hi) at each row's end -> this forward's (B, Hk, W, Dh) views."""
-        cols = slots.write_positions()  # (B, T)
-        if int(cols.max()) >= self.keys.shape[2]:
-            raise RuntimeError(f"KV cache overflow: need {int(cols.max()) + 1} > capacity {self.keys.shape[2]}")
-        rows = torch.arange(slots.lo, slots.hi, device=cols.device)[:, None]  # (B, 1)
-        self.keys[rows, :, cols] = keys.transpose(1, 2)  # indexed (B, T, Hk, Dh)
-        self.values[rows, :, cols] = values.transpose(1, 2)
-        width = int(cols[:, -1].max()) + 1
-        return self.keys[slots.lo : slots.hi, :, :width], self.values[slots.lo : slots.hi, :, :width]
+        lo, hi, width = slots.lo, slots.hi, slots.width
+        if width > self.keys.shape[2]:
+            raise RuntimeError(f"KV cache overflow: need {width} > capacity {self.keys.shape[2]}")
+        if slots.cols is None:  # every row starts at the same column
+            start = slots.lengths[lo]
+            self.keys[lo:hi, :, start : start + keys.shape[2]] = keys
+            self.values[lo:hi, :, start : start + keys.shape[2]] = values
+        else:
+            rows = slots.rows()
+            self.keys[rows, :, slots.cols] = keys.transpose(1, 2)  # indexed (B, T, Hk, Dh)
+            self.values[rows, :, slots.cols] = values.transpose(1, 2)
+        return self.keys[lo:hi, :, :width], self.values[lo:hi, :, :width]
 
     def keep(self, rows: Tensor, targets: Tensor, sources: Tensor) -> None:
         """Per row, copy columns ``sources`` to ``targets`` (both (B, K)): the accepted tree path."""
         picked_k, picked_v = self.keys[rows, :, sources], self.values[rows, :, sources]  # copies: no aliasing
         self.keys[rows, :, targets], self.values[rows, :, targets] = picked_k, picked_v
 
+    def keep_one(self, slot: int, start: int, sources: Tensor) -> None:
+        """One row's ``keep``: columns ``sources`` (K,) to [start, start + K)."""
+        end = start + sources.numel()
+        self.keys[slot, :, start:end] = self.keys[slot, :, sources]  # rhs is a gathered copy
+        self.values[slot, :, start:end] = self.values[slot, :, sources]
+
     def zero(self, rows: Tensor, cols: Tensor) -> None:
-        """rows (B, 1), cols (B, K) -> those entries are zero again."""
+        """rows and cols (Z,) -> those entries are zero again."""
         self.keys[rows, :, cols] = 0
         self.values[rows, :, cols] = 0
+
+    def zero_span(self, slot: int, start: int, end: int) -> None:
+        self.keys[slot, :, start:end] = 0
+        self.values[slot, :, start:end] = 0
 
     def grow(self, capacity: int) -> None:
         """Reallocate to ``capacity`` columns (a longer request arrived); existing entries are kept."""
@@ -111,11 +136,10 @@ class RowLayer(CacheLayerMixin):
         return self.tensors.write(self.slots, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        starts = self.slots.lengths[self.slots.lo : self.slots.hi]
-        return int(starts.max()) + query_length, 0
+        return max(self.slots.lengths[self.slots.lo : self.slots.hi]) + query_length, 0
 
     def get_seq_length(self) -> int:
-        return int(self.slots.lengths[self.slots.lo : self.slots.hi].max())
+        return max(self.slots.lengths[self.slots.lo : self.slots.hi])
 
     def get_max_length(self) -> int:
         return self.tensors.keys.shape[2]
@@ -147,35 +171,47 @@ class RowCache(Cache):
             for tensors in self.tensors:
                 tensors.grow(capacity)
 
-    def advance(self, lo: int, counts: Tensor, written: int) -> None:
-        """Rows [lo, lo + B) keep the first ``counts`` (B,) of the ``written`` entries they just appended;
+    def advance(self, lo: int, counts: list[int], written: int) -> None:
+        """Rows [lo, lo + B) keep the first ``counts`` of the ``written`` entries they just appended;
         the rest are zeroed (the invariant), then their lengths grow by ``counts``."""
-        starts = self.slots.lengths[lo : lo + counts.numel()]  # (B,)
-        dropped = torch.arange(written, device=counts.device)[None, :] >= counts[:, None]  # (B, written)
-        rows, offsets = dropped.nonzero(as_tuple=True)  # (Z,) each
-        if rows.numel():
+        lengths = self.slots.lengths
+        if len(counts) == 1:
             for tensors in self.tensors:
-                tensors.zero(lo + rows, starts[rows] + offsets)
-        self.slots.lengths[lo : lo + counts.numel()] += counts
+                tensors.zero_span(lo, lengths[lo] + counts[0], lengths[lo] + written)
+        else:
+            drops = [(b, lengths[lo + b] + j) for b, count in enumerate(counts) for j in range(count, written)]
+            if drops:
+                rows, cols = torch.tensor(drops, device=self.slots.device).T  # (Z,) each
+                for tensors in self.tensors:
+                    tensors.zero(lo + rows, cols)
+        for b, count in enumerate(counts):
+            lengths[lo + b] += count
 
-    def keep_paths(self, lo: int, paths: Tensor, path_lengths: Tensor, written: int) -> None:
-        """After a tree verify of rows [lo, lo + B): keep each row's accepted nodes ``paths`` (B, K)
-        (node indices, root first, padded) at its end; everything else it wrote is zeroed.
+    def keep_paths(self, lo: int, paths: list[list[int]], written: int) -> None:
+        """After a tree verify of rows [lo, lo + B): keep each row's accepted nodes ``paths[b]`` (node
+        indices, root first) at its end; everything else it wrote is zeroed.
         E.g. start 10, path [0, 2, 5] -> entries 10, 12, 15 move to 10, 11, 12; 13.. are zero."""
-        B = paths.shape[0]
-        rows = torch.arange(lo, lo + B, device=paths.device)[:, None]  # (B, 1)
-        starts = self.slots.lengths[lo : lo + B][:, None]  # (B, 1)
-        offsets = torch.arange(paths.shape[1], device=paths.device)[None, :]  # (1, K)
-        real = offsets < path_lengths[:, None]  # (B, K)
-        sources = starts + torch.where(real, paths, offsets)  # padding copies a column onto itself
-        for tensors in self.tensors:
-            tensors.keep(rows, starts + offsets, sources)
-        self.advance(lo, path_lengths, written)
+        lengths, device = self.slots.lengths, self.slots.device
+        if len(paths) == 1:
+            sources = lengths[lo] + torch.tensor(paths[0], device=device)
+            for tensors in self.tensors:
+                tensors.keep_one(lo, lengths[lo], sources)
+        else:
+            longest = max(len(p) for p in paths)
+            # padding copies a column onto itself
+            padded = [p + list(range(len(p), longest)) for p in paths]
+            starts = torch.tensor(lengths[lo : lo + len(paths)], device=device)[:, None]  # (B, 1)
+            sources = starts + torch.tensor(padded, device=device)  # (B, K)
+            targets = starts + torch.arange(longest, device=device)[None, :]
+            rows = torch.arange(lo, lo + len(paths), device=device)[:, None]
+            for tensors in self.tensors:
+                tensors.keep(rows, targets, sources)
+        self.advance(lo, [len(p) for p in paths], written)
 
     def release(self, slot: int, last: int) -> None:
         """Slot ``slot`` leaves; the row in slot ``last`` (the last active one) moves into it, so active
         rows stay packed in [0, active) and every forward reads a view, never a gathered copy."""
-        length = int(self.slots.lengths[last])
+        length = self.slots.lengths[last]
         for tensors in self.tensors:
             tensors.move(last, slot, length)
         self.slots.lengths[slot], self.slots.lengths[last] = length, 0

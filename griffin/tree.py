@@ -163,7 +163,7 @@ def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, dep
 
 
 # ---- several requests at once (griffin.engine): rows [0, B) of a griffin.rows.RowCache ----------------
-def catch_up_rows(draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+def catch_up_rows(draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: list[int]) -> tuple[Tensor, Tensor]:
     """``catch_up`` for rows [0, B): row b feeds its first counts_b pairs of features (B, T, D_f) and
     tokens (B, T) (padded to T); the padding's entries are dropped again. Returns P, R of each row's
     last real pair: (B, D) each."""
@@ -174,7 +174,7 @@ def catch_up_rows(draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, 
     mask = row_mask(starts, causal, width)[:, None]  # (B, 1, T, W)
     P, R = draft.step(draft.fuse_target(features), tokens, positions, cache, mask)  # (B, T, D)
     cache.advance(0, counts, T)
-    last = (counts - 1)[:, None, None].expand(-1, 1, P.shape[-1])  # (B, 1, D)
+    last = (torch.tensor(counts, device=P.device) - 1)[:, None, None].expand(-1, 1, P.shape[-1])  # (B, 1, D)
     return P.gather(1, last)[:, 0], R.gather(1, last)[:, 0]
 
 
@@ -186,7 +186,8 @@ def draft_rows(draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, 
     B, K, device = roots.shape[0], cfg.top_k, roots.device
     if cfg.total_tokens == 1:
         return [root_tree(roots[b : b + 1]) for b in range(B)]
-    stable = cache.slots.lengths[:B].clone()  # (B,)
+    stable = cache.slots.lengths[:B]  # committed lengths (a copy)
+    stable_t = torch.tensor(stable, device=device)  # (B,)
     scores, node_tokens = _top_k_log_probs(draft, P, K)  # (B, K)
     pool_scores, pool_tokens = [scores], [node_tokens]
     pool_parents = [torch.full((B, K), -1, dtype=torch.long, device=device)]
@@ -198,11 +199,11 @@ def draft_rows(draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, 
     for level in range(2, cfg.depth + 1):
         tree_rows = torch.cat([node_anc, eye], dim=2)  # (B, K, E+K)
         _, width = cache.slots.begin(0, B, K)
-        mask = row_mask(stable, tree_rows, width)[:, None]  # (B, 1, K, W)
-        positions = (stable + level - 2)[:, None].expand(B, K)
+        mask = row_mask(stable_t, tree_rows, width)[:, None]  # (B, 1, K, W)
+        positions = (stable_t + level - 2)[:, None].expand(B, K)
         with record_function("griffin.draft.level_step"):
             P_l, R_l = draft.step(node_features, node_tokens, positions, cache, mask)  # (B, K, D)
-        cache.slots.lengths[:B] += K
+        cache.advance(0, [K] * B, K)
         child_lp, child_tokens = _top_k_log_probs(draft, P_l, K)  # (B, K, K)
         cand_scores = (scores[:, :, None] + child_lp).flatten(1)  # (B, K*K); candidate c's parent is c // K
         parent_local = torch.arange(K, device=device).repeat_interleave(K)  # (K*K,)
@@ -216,13 +217,13 @@ def draft_rows(draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, 
         parents = best // K  # (B, K)
         node_features = R_l.gather(1, parents[..., None].expand(-1, -1, R_l.shape[-1]))
         node_anc = tree_rows.gather(1, parents[..., None].expand(-1, -1, tree_rows.shape[-1]))
-    _drop_tree_entries(cache, stable, int(cache.slots.lengths[0] - stable[0]))
+    _drop_tree_entries(cache, stable, cache.slots.lengths[0] - stable[0])
     pools = [torch.cat(pool, dim=1) for pool in (pool_scores, pool_tokens, pool_parents, pool_depths)]
     with record_function("griffin.draft.assemble"):
         return [_assemble(roots[b : b + 1], *(pool[b] for pool in pools), cfg.total_tokens - 1) for b in range(B)]
 
 
-def _drop_tree_entries(cache, stable: Tensor, written: int) -> None:
-    """Rows [0, B) go back to their committed lengths ``stable`` (B,), the tree's ``written`` entries zeroed."""
-    cache.slots.lengths[: stable.numel()] = stable
-    cache.advance(0, torch.zeros_like(stable), written)
+def _drop_tree_entries(cache, stable: list[int], written: int) -> None:
+    """Rows [0, B) go back to their committed lengths ``stable``, the tree's ``written`` entries zeroed."""
+    cache.slots.lengths[: len(stable)] = stable
+    cache.advance(0, [0] * len(stable), written)
