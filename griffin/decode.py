@@ -1,29 +1,25 @@
-"""The decode loops: GRIFFIN speculative decoding and vanilla decoding on the same target code.
+"""One request's decode: GRIFFIN speculative decoding and vanilla decoding, both the batching engine
+(griffin.engine) with a single request, so a lone request and a batch of them run the same code.
 
-Both preallocate their KV caches once per call (prompt + max_new_tokens + one tree), so no step
-reallocates; both stop at the target's stop tokens or ``max_new_tokens`` and return the new
-tokens with stats. Loop shape (docs/method.md §4): draft a tree, verify it in one target pass,
-accept a path, compact the target KV, append, stop check.
+Both stop at the target's stop tokens or ``max_new_tokens`` and return the new tokens with stats.
+Round shape (docs/method.md §4): draft a tree, verify it in one target pass, accept a path, compact
+the target KV, append, stop check. This module also holds what every decode returns and records.
 
 Shape legend: T tokens, N tree nodes, D hidden, V vocab.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function  # named ranges for benchmarks/decode/round_profile.py; ~1 us when off
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.model import GriffinDraft, KVCache
-from griffin.verify import next_token, verify
-from griffin.target import TargetAdapter, decode_attention
-from griffin.tree import draft_tree
+from griffin.model import GriffinDraft
+from griffin.target import TargetAdapter
 
 
 def acceptance_length(accepted_per_round: list[int]) -> float:
@@ -133,17 +129,6 @@ def _append(
     return reason
 
 
-def on_decode_attention(decode: Callable) -> Callable:
-    """Runs ``decode(target, ...)`` under ``decode_attention`` for the target's device."""
-
-    @functools.wraps(decode)
-    def run(target: TargetAdapter, *args, **kwargs):
-        with decode_attention(target.device):
-            return decode(target, *args, **kwargs)
-
-    return run
-
-
 def device_time(device: torch.device) -> float:
     """A wall-clock reading after the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":
@@ -151,8 +136,6 @@ def device_time(device: torch.device) -> float:
     return time.perf_counter()
 
 
-@on_decode_attention
-@torch.inference_mode()
 def vanilla_generate(
     target: TargetAdapter,
     input_ids: Tensor,
@@ -163,44 +146,15 @@ def vanilla_generate(
     on_tokens: TokenCallback | None = None,
     logprobs: LogprobRecorder | None = None,
 ) -> GenerationResult:
-    """Autoregressive decoding, one token per target pass, on the same target implementation.
-    ``on_tokens`` is called with each newly committed token list (streaming); ``logprobs`` records
-    the target's log-probabilities of the emitted tokens (see ``LogprobRecorder``)."""
-    _check_request(target, input_ids, max_new_tokens)
-    stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
-    stats, out, device = GenerationStats(), [], target.device
-    cache = target.new_cache(input_ids.shape[1] + max_new_tokens)
-    start = device_time(device)
-    _, logits = target.forward(input_ids.to(device), cache, all_logits=False)  # (1, 1, V)
-    token = next_token(logits[0, -1], sampling, generator)
-    stats.prefill_time = device_time(device) - start
-    reason = _append(
-        out, [token], stop, max_new_tokens, on_tokens, logprobs, lambda: logprobs.score(logits[0, -1:], [token])
+    """Autoregressive decoding, one token per target pass: the batching engine (griffin.engine) with
+    one request and no draft. ``on_tokens`` is called with each newly committed token list
+    (streaming); ``logprobs`` records the target's log-probabilities of the emitted tokens (see
+    ``LogprobRecorder``)."""
+    return _decode_one(
+        target, None, input_ids, None, sampling, max_new_tokens, generator, stop_token_ids, on_tokens, logprobs
     )
-    while reason is None:
-        start = device_time(device)
-        _, logits = target.forward(torch.tensor([[token]], device=device), cache, all_logits=False)  # (1, 1, V)
-        token = next_token(logits[0, -1], sampling, generator)
-        stats.verify_time += device_time(device) - start
-        stats.rounds += 1
-        stats.accepted_per_round.append(0)
-        reason = _append(
-            out, [token], stop, max_new_tokens, on_tokens, logprobs, lambda: logprobs.score(logits[0, -1:], [token])
-        )
-    return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)
 
 
-def _count_round(stats: GenerationStats, draft_s: float, verify_s: float, accept_len: int) -> None:
-    """One round's statistics, inline counters (no metrics framework)."""
-    stats.draft_time += draft_s
-    stats.verify_time += verify_s
-    stats.round_seconds.append((draft_s, verify_s))
-    stats.rounds += 1
-    stats.accepted_per_round.append(accept_len)
-
-
-@on_decode_attention
-@torch.inference_mode()
 def speculative_generate(
     target: TargetAdapter,
     draft: GriffinDraft,
@@ -213,57 +167,25 @@ def speculative_generate(
     on_tokens: TokenCallback | None = None,
     logprobs: LogprobRecorder | None = None,
 ) -> GenerationResult:
-    """Lossless GRIFFIN speculative decoding (docs/method.md §4-5). ``generator`` seeds T>0 sampling;
-    ``on_tokens`` is called with each round's committed tokens (streaming); ``logprobs`` records the
-    target's log-probabilities of the emitted tokens from the verification logits of the accepted
-    path (no extra target pass; see ``LogprobRecorder``)."""
+    """Lossless GRIFFIN speculative decoding (docs/method.md §4-5): the batching engine with one
+    request and ``tree`` (a round: draft a tree, verify it in one target pass, accept a path, compact
+    the target KV, append, stop check). ``generator`` seeds T>0 sampling; ``on_tokens`` is called
+    with each round's committed tokens (streaming); ``logprobs`` records the target's
+    log-probabilities of the emitted tokens from the verification logits of the accepted path (no
+    extra target pass; see ``LogprobRecorder``)."""
+    return _decode_one(
+        target, draft, input_ids, tree, sampling, max_new_tokens, generator, stop_token_ids, on_tokens, logprobs
+    )
+
+
+def _decode_one(
+    target, draft, input_ids, tree, sampling, max_new_tokens, generator, stop_token_ids, on_tokens, logprobs
+):
+    """One request through the engine, alone: the same code path as a batch of one in a replica."""
+    from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
+
     _check_request(target, input_ids, max_new_tokens)
-    stop = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
-    stats, out, device = GenerationStats(), [], target.device
-    prompt_len = input_ids.shape[1]
-    target_cache = target.new_cache(prompt_len + max_new_tokens + tree.total_tokens)
-    draft_cache = KVCache.allocate(
-        draft.cfg,
-        prompt_len + max_new_tokens + (tree.depth - 1) * tree.top_k + 1,
-        device=device,
-        dtype=draft.param_dtype,
+    request = DecodeRequest(
+        input_ids[0].tolist(), sampling, max_new_tokens, generator, stop_token_ids, True, on_tokens, logprobs
     )
-
-    start = device_time(device)
-    layers = draft.cfg.feature_layers  # what the draft reads: the last layer, or k layers (D_f = k*D)
-    features, logits = target.forward(
-        input_ids.to(device), target_cache, all_logits=False, feature_layers=layers
-    )  # (1, T, D_f), (1, 1, V)
-    root = next_token(logits[0, -1], sampling, generator)
-    stats.prefill_time = device_time(device) - start
-    reason = _append(
-        out, [root], stop, max_new_tokens, on_tokens, logprobs, lambda: logprobs.score(logits[0, -1:], [root])
-    )
-    # Draft input pairs (f_p, x_{p+1}): features of the processed positions and the tokens after them.
-    new_tokens = torch.cat([input_ids[0, 1:].to(device), torch.tensor([root], device=device)])  # (T,)
-
-    while reason is None:
-        start = device_time(device)
-        with record_function("griffin.draft_tree"):
-            tree_nodes = draft_tree(draft, draft_cache, features, new_tokens[None], tree)
-        mid = device_time(device)
-        prefix_len = target_cache.length
-        with record_function("griffin.verify_forward"):
-            features_n, logits_n = target.verify(
-                tree_nodes.tokens, tree_nodes.depths, tree_nodes.mask, target_cache, layers
-            )
-        with record_function("griffin.accept"):
-            result = verify(tree_nodes, logits_n[0], sampling, generator)
-        accepted = torch.tensor(result.accepted_nodes, device=device)  # (A+1,) root first
-        with record_function("griffin.commit"):
-            target.commit(target_cache, prefix_len, accepted)
-        end = device_time(device)
-        _count_round(stats, mid - start, end - mid, result.accept_len)
-
-        committed = tree_nodes.tokens[accepted[1:]].tolist() + [result.next_token]  # (A+1,)
-        # token i of ``committed`` came from the target's logits after accepted node i
-        scores = lambda: logprobs.score(logits_n[0, accepted], committed)  # (A+1, V) rows
-        reason = _append(out, committed, stop, max_new_tokens, on_tokens, logprobs, scores)
-        features = features_n[:, accepted]  # (1, A+1, D_f): target features of root + accepted nodes
-        new_tokens = torch.tensor(committed, device=device)
-    return GenerationResult(out, stats, reason, logprobs.entries if logprobs is not None else None)
+    return generate_batch(target, draft, [request], SpeculationPolicy({1: tree}))[0]

@@ -320,4 +320,3 @@ def generate_batch(
         if row.error is not None:
             raise row.error
     return [row.result for row in rows]
-

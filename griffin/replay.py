@@ -21,7 +21,8 @@ from torch import Tensor
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import acceptance_length, vanilla_generate
-from griffin.model import GriffinDraft, KVCache
+from griffin.model import GriffinDraft
+from griffin.rows import RowCache
 from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import DraftTree, draft_tree
 
@@ -93,9 +94,8 @@ def replay_greedy(draft: GriffinDraft, reference: GreedyReference, tree: TreeCon
     """The rounds ``speculative_generate`` would run at T=0 on ``reference``'s prompt, draft only."""
     prompt, continuation, features = reference.input_ids, reference.continuation, reference.features
     T, device, replay = prompt.shape[1], features.device, Replay()
-    cache = KVCache.allocate(
-        draft.cfg, T + len(continuation) + (tree.depth - 1) * tree.top_k + 1, device=device, dtype=draft.param_dtype
-    )
+    capacity = T + len(continuation) + (tree.depth - 1) * tree.top_k + 1
+    cache = RowCache.for_draft(draft.cfg, 1, capacity, draft.param_dtype, device)
     # as after prefill: pairs (f_p, x_{p+1}) of the prompt, the last one ending in the root
     new_features = features[:, :T]  # (1, T, D_f)
     new_tokens = torch.cat([prompt[0, 1:].to(device), torch.tensor(continuation[:1], device=device)])  # (T,)

@@ -322,7 +322,7 @@ class TargetAdapter:
         ]
         return TargetCache(layers)
 
-    def new_row_cache(self, rows: int, capacity: int) -> "RowCache":
+    def new_row_cache(self, rows: int, capacity: int) -> Any:
         """A KV cache of ``rows`` request slots, a length each (griffin.rows; the batching engine's)."""
         from griffin.rows import RowCache
 

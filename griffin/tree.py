@@ -1,9 +1,10 @@
-"""EAGLE-2 dynamic draft tree with a GRIFFIN draft (docs/method.md §4).
+"""EAGLE-2 dynamic draft trees with a GRIFFIN draft (docs/method.md §4), for several requests at once.
 
-Per round: a catch-up pass feeds the newly committed (target feature, next token) pairs into the
-draft's persistent KV cache; then ``depth`` levels expand the ``top_k`` best nodes by cumulative
-log-probability; finally the ``total_tokens - 1`` best of all proposed candidates form the tree.
-Tree KV entries are written after the committed cache and dropped at the end of the round.
+Per round: a catch-up pass feeds each row's newly committed (target feature, next token) pairs into
+the draft's persistent KV cache (a griffin.rows.RowCache, a length per row); then ``depth`` levels
+expand each row's ``top_k`` best nodes by cumulative log-probability, all rows in one draft step per
+level; finally each row's ``total_tokens - 1`` best candidates form its tree. Tree KV entries are
+written after the committed cache and dropped (zeroed) at the end of the round.
 
 Shape legend: D hidden, V draft vocab, K top-k, N tree nodes (root included), M candidate pool.
 """
@@ -16,8 +17,10 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from typing import Any
+
 from griffin.config import TreeConfig
-from griffin.model import GriffinDraft, KVCache
+from griffin.model import GriffinDraft
 from griffin.rows import row_mask
 
 
@@ -38,19 +41,6 @@ class DraftTree:
         return self.tokens.numel()
 
 
-def catch_up(draft: GriffinDraft, cache: KVCache, features: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """Feed committed pairs (f_p, x_{p+1}) at positions cache.length.. (docs/method.md §1 shift).
-    features: (1, T, D_f) target features (k*D for k feature layers); tokens: (1, T). Returns P, R
-    of the last pair: (1, D) each."""
-    start, T = cache.length, tokens.shape[1]
-    positions = torch.arange(start, start + T, device=tokens.device)
-    rows = torch.arange(T, device=tokens.device)[:, None]
-    cols = torch.arange(start + T, device=tokens.device)[None, :]
-    mask = cols <= start + rows  # (T, start + T) causal over cache + new
-    P, R = draft.step(draft.fuse_target(features), tokens, positions, cache, mask)
-    return P[:, -1], R[:, -1]
-
-
 def _top_k_log_probs(draft: GriffinDraft, prediction: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """prediction: (..., D) -> log-probs and target ids of the k best tokens: (..., K) each."""
     with record_function("griffin.draft.head_topk"):
@@ -62,62 +52,15 @@ def _top_k_log_probs(draft: GriffinDraft, prediction: Tensor, k: int) -> tuple[T
 @torch.inference_mode()
 def draft_tree(
     draft: GriffinDraft,
-    cache: KVCache,
+    cache: Any,  # a one-row griffin.rows.RowCache (``RowCache.for_draft(cfg, 1, ...)``)
     features: Tensor,  # (1, T, D_f) target features of the newly committed positions
     tokens: Tensor,  # (1, T) the tokens that follow them; tokens[0, -1] is the root
     cfg: TreeConfig,
 ) -> DraftTree:
-    root = tokens[0, -1:]
+    """One request's tree: ``draft_rows`` over a batch of one."""
     with record_function("griffin.draft.catch_up"):
-        P, R = catch_up(draft, cache, features, tokens)  # (1, D) each
-    if cfg.total_tokens == 1:
-        return root_tree(root)
-    stable_len, K, device = cache.length, cfg.top_k, tokens.device
-
-    # Level 1: the root's children. Scores are cumulative log-probs.
-    scores, node_tokens = _top_k_log_probs(draft, P, K)  # (1, K)
-    scores, node_tokens = scores[0], node_tokens[0]  # (K,)
-    pool_scores, pool_tokens = [scores], [node_tokens]
-    pool_parents = [torch.full((K,), -1, dtype=torch.long, device=device)]  # -1 = root
-    pool_depths = [torch.ones(K, dtype=torch.long, device=device)]
-    node_pool_idx = torch.arange(K, device=device)  # pool index of each current node
-    node_features = R.expand(K, -1)  # (K, D): every level-1 node gets the root position's R
-    node_anc = torch.zeros(K, 0, dtype=torch.bool, device=device)  # (K, E) ancestors among tree entries
-
-    for level in range(2, cfg.depth + 1):
-        # Feed the K current nodes (all at one position) and expand each into K children.
-        E = node_anc.shape[1]  # noqa: F841 (E names the mask's width below)
-        tree_rows = torch.cat([node_anc, torch.eye(K, dtype=torch.bool, device=device)], dim=1)  # (K, E+K)
-        mask = torch.cat([torch.ones(K, stable_len, dtype=torch.bool, device=device), tree_rows], dim=1)
-        positions = torch.full((K,), stable_len + level - 2, device=device)
-        with record_function("griffin.draft.level_step"):
-            P, R = draft.step(node_features[None], node_tokens[None], positions, cache, mask)  # (1, K, D)
-        child_lp, child_tokens = _top_k_log_probs(draft, P[0], K)  # (K, K)
-        cand_scores = (scores[:, None] + child_lp).flatten()  # (K*K,)
-        # E.g. K=2: candidates [c00, c01, c10, c11] have parents [n0, n0, n1, n1]
-        parent_local = torch.arange(K, device=device).repeat_interleave(K)  # (K*K,)
-        pool_scores.append(cand_scores)
-        pool_tokens.append(child_tokens.flatten())
-        pool_parents.append(node_pool_idx[parent_local])
-        pool_depths.append(torch.full((K * K,), level, dtype=torch.long, device=device))
-        # The best K candidates become the next level's nodes.
-        best = cand_scores.topk(K).indices  # (K,)
-        pool_offset = sum(s.numel() for s in pool_scores[:-1])
-        node_pool_idx = pool_offset + best
-        scores, node_tokens = cand_scores[best], child_tokens.flatten()[best]
-        node_features = R[0, parent_local[best]]  # (K, D): parent's regression feature
-        node_anc = tree_rows[parent_local[best]]  # (K, E+K): parent's row (ancestors + parent)
-
-    cache.length = stable_len  # drop the tree's draft KV; only committed positions persist
-    with record_function("griffin.draft.assemble"):
-        return _assemble(
-            root,
-            torch.cat(pool_scores),
-            torch.cat(pool_tokens),
-            torch.cat(pool_parents),
-            torch.cat(pool_depths),
-            cfg.total_tokens - 1,
-        )
+        P, R = catch_up_rows(draft, cache, features, tokens, [tokens.shape[1]])  # (1, D) each
+    return draft_rows(draft, cache, P, R, tokens[:, -1], cfg)[0]
 
 
 def root_tree(root: Tensor) -> DraftTree:
@@ -163,7 +106,9 @@ def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, dep
 
 
 # ---- several requests at once (griffin.engine): rows [0, B) of a griffin.rows.RowCache ----------------
-def catch_up_rows(draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: list[int]) -> tuple[Tensor, Tensor]:
+def catch_up_rows(
+    draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: list[int]
+) -> tuple[Tensor, Tensor]:
     """``catch_up`` for rows [0, B): row b feeds its first counts_b pairs of features (B, T, D_f) and
     tokens (B, T) (padded to T); the padding's entries are dropped again. Returns P, R of each row's
     last real pair: (B, D) each."""
@@ -174,8 +119,9 @@ def catch_up_rows(draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, 
     mask = row_mask(starts, causal, width)[:, None]  # (B, 1, T, W)
     P, R = draft.step(draft.fuse_target(features), tokens, positions, cache, mask)  # (B, T, D)
     cache.advance(0, counts, T)
-    last = (torch.tensor(counts, device=P.device) - 1)[:, None, None].expand(-1, 1, P.shape[-1])  # (B, 1, D)
-    return P.gather(1, last)[:, 0], R.gather(1, last)[:, 0]
+    last = torch.tensor(counts, device=P.device) - 1  # (B,)
+    rows = torch.arange(B, device=P.device)
+    return P[rows, last], R[rows, last]
 
 
 @torch.inference_mode()

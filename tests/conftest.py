@@ -168,11 +168,11 @@ class OracleDraft(torch.nn.Module):
         return features
 
     def step(self, features, tokens, positions, cache, mask):
-        del self.entry_tokens[cache.length :]  # the tree code rolls back cache.length each round
+        """One request (a one-row cache): mask (1, 1, T, S); the tree code sets the cache's length."""
+        del self.entry_tokens[cache.slots.lengths[0] :]  # the tree code rolls the length back each round
         self.entry_tokens.extend(tokens[0].tolist())
-        cache.length += tokens.shape[1]
         rows = []
-        for row in mask.tolist():
+        for row in mask[0, 0].tolist():
             context = [self.first_token] + [t for t, seen in zip(self.entry_tokens, row) if seen]
             out = self.target.model(torch.tensor([context]))
             rows.append(out.logits[0, -1])

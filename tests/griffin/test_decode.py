@@ -161,7 +161,7 @@ def test_on_tokens_streams_every_committed_token_once():
 def test_decodes_run_without_cudnn_attention_on_cuda(monkeypatch):
     """cuDNN's attention builds a graph per new shape, and every decode step is one: on CUDA the
     decode loops and tune-tree's replay run under ``decode_attention``, which leaves it out."""
-    import griffin.decode
+    import griffin.engine
     import griffin.replay
     from griffin.replay import greedy_reference, replay_greedy
     from griffin.target import decode_attention
@@ -180,13 +180,14 @@ def test_decodes_run_without_cudnn_attention_on_cuda(monkeypatch):
         entered.append(torch.device(device).type)
         return decode_attention(device)
 
-    monkeypatch.setattr(griffin.decode, "decode_attention", recording)
+    monkeypatch.setattr(griffin.engine, "decode_attention", recording)
     monkeypatch.setattr(griffin.replay, "decode_attention", recording)
     target = make_target("llama")
     draft = GriffinDraft.for_target(target)
     ids, tree = torch.randint(3, 128, (1, 8)), TREES["small"]
     vanilla_generate(target, ids, GREEDY, 4, stop_token_ids=[])
     speculative_generate(target, draft, ids, tree, GREEDY, 4, stop_token_ids=[])
-    assert entered == ["cpu", "cpu"]
+    assert entered and set(entered) == {"cpu"}  # every engine step
+    steps = len(entered)
     replay_greedy(draft, greedy_reference(target, ids, 4, lookahead=tree.depth, stop_token_ids=[]), tree)
-    assert entered == ["cpu", "cpu", "cpu", "cpu"]  # the reference's vanilla decode, then the replay
+    assert len(entered) > steps + 1 and set(entered) == {"cpu"}  # the reference's vanilla decode, then the replay

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from griffin import decode, replay
+from griffin import decode, engine, replay
 from griffin.config import TreeConfig
 from griffin.model import GriffinDraft
 from griffin.replay import greedy_reference, replay_greedy
@@ -16,15 +16,16 @@ TREES = [
 ]
 
 
-def _recording(monkeypatch, module, trees: list):
-    real = module.draft_tree
+def _recording(monkeypatch, module, trees: list, name: str = "draft_tree"):
+    """Records each tree ``module.<name>`` drafts: one per call (``draft_tree``), or per row (``draft_rows``)."""
+    real = getattr(module, name)
 
     def record(*args, **kwargs):
         nodes = real(*args, **kwargs)
-        trees.append(nodes.tokens.tolist())
+        trees.extend(t.tokens.tolist() for t in (nodes if isinstance(nodes, list) else [nodes]))
         return nodes
 
-    monkeypatch.setattr(module, "draft_tree", record)
+    monkeypatch.setattr(module, name, record)
 
 
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.total_tokens}/{t.depth}/{t.top_k}")
@@ -46,7 +47,7 @@ def test_replay_drafts_the_same_trees_and_accepts_the_same_tokens(kind, tree, mo
             else OracleDraft(target, int(ids[0, 0]))
         )
         real_trees, replayed_trees = [], []
-        _recording(monkeypatch, decode, real_trees)
+        _recording(monkeypatch, engine, real_trees, "draft_rows")
         spec = decode.speculative_generate(target, draft, ids, tree, replay.GREEDY, 20, stop_token_ids=stop)
         if kind == "oracle":
             draft = OracleDraft(target, int(ids[0, 0]))  # its token history starts over

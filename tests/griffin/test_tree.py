@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from griffin.config import TreeConfig
-from griffin.model import GriffinDraft, KVCache
+from griffin.model import GriffinDraft
+from griffin.rows import RowCache
 from griffin.tree import draft_tree
 from tests.conftest import make_target
 
@@ -19,7 +20,7 @@ def setup():
 
 def build(setup, cfg, T=9):
     target, draft = setup
-    cache = KVCache.allocate(draft.cfg, 128)
+    cache = RowCache.for_draft(draft.cfg, 1, 128, torch.float32, torch.device("cpu"))
     tree = draft_tree(draft, cache, torch.randn(1, T, 64), torch.randint(3, 128, (1, T)), cfg)
     return tree, cache
 
@@ -36,7 +37,8 @@ def build(setup, cfg, T=9):
 def test_tree_invariants(setup, cfg):
     tree, cache = build(setup, cfg)
     N = cfg.total_tokens
-    assert tree.size == N and cache.length == 9  # tree KV was dropped; the catch-up stayed
+    assert tree.size == N and cache.slots.lengths == [9]  # tree KV was dropped; the catch-up stayed
+    assert not cache.tensors[0].keys[:, :, 9:].any()  # and zeroed
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
     assert parents[0] == -1 and depths[0] == 0
     for i in range(1, N):
@@ -63,8 +65,8 @@ def test_chain_follows_the_draft_argmax(setup):
 
 def test_catch_up_accumulates_across_rounds(setup):
     target, draft = setup
-    cache = KVCache.allocate(draft.cfg, 128)
+    cache = RowCache.for_draft(draft.cfg, 1, 128, torch.float32, torch.device("cpu"))
     cfg = TreeConfig(total_tokens=10, depth=3, top_k=3)
     draft_tree(draft, cache, torch.randn(1, 5, 64), torch.randint(3, 128, (1, 5)), cfg)
     draft_tree(draft, cache, torch.randn(1, 2, 64), torch.randint(3, 128, (1, 2)), cfg)
-    assert cache.length == 7
+    assert cache.slots.lengths == [7]
