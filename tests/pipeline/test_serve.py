@@ -377,7 +377,7 @@ def test_bench_serve_and_eval_through_serve(server, tmp_path):
         ("vanilla", 2),
     ]
     assert all(level["ttft_p50_s"] <= level["latency_p50_s"] and level["shed_rate"] == 0 for level in load["levels"])
-    assert (server.cfg.run_dir / "eval" / "serve_load.md").is_file()
+    assert all((server.cfg.run_dir / "eval" / f"serve_load.{ext}").is_file() for ext in ("md", "json", "png"))
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["Hi.", "More."]}) + "\n")
     cfg = server.cfg.model_copy(
