@@ -281,6 +281,35 @@ def test_streaming_with_stop_matches_non_streaming(server):
         assert chunks[-1]["speculative"]["rounds"] <= whole["speculative"]["rounds"]  # stopped early
 
 
+def test_official_openai_client(server):
+    """The official openai client, as users call the endpoint: chat, streamed chat with and without
+    usage, completions, and a refused field; the answers are the plain HTTP ones."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    ask = {"model": model, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12}
+    reply = client.chat.completions.create(**ask, temperature=0)
+    expected = chat(server, "Tell me a story.")
+    assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]
+    assert reply.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    assert reply.model_extra["speculative"]["rounds"] >= 1  # the extension block, an extra field
+    for options in ({}, {"stream_options": {"include_usage": True}}):
+        chunks = list(client.chat.completions.create(**ask, temperature=0, stream=True, **options))
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+        )
+        usages = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+        assert usages == ([reply.usage.completion_tokens] if options else [])
+        assert chunks[-1].choices == [] if options else chunks[-1].choices[0].finish_reason
+    completion = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=10, temperature=0)
+    raw = server.client.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0})
+    assert completion.choices[0].text == raw.json()["choices"][0]["text"] and completion.usage.total_tokens > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**ask, presence_penalty=0.5)
+    assert refused.value.param == "presence_penalty" and refused.value.code == "unsupported_parameter"
+
+
 def test_client_leaving_mid_stream_leaves_the_server_serving(server):
     body = {
         "messages": [{"role": "user", "content": "A long one."}],
