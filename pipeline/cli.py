@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                 help="stop following the logs after SECONDS (the job keeps running; re-attach with --attach)",
             )
             p.add_argument("--attach", metavar="JOB_ID", help="follow an already submitted job's logs to its end")
+        if name == "bench-serve":
+            add_bench_serve_flags(p)
         if name in ("eval", "tune-tree"):
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
         if name == "tune-tree":
@@ -118,6 +120,28 @@ def build_parser() -> argparse.ArgumentParser:
                 "--max-new-tokens", type=int, help="tokens per calibration prompt (default decode.tune_max_new_tokens)"
             )
     return parser
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
+    if min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels are at least 1, got {text!r}")
+    return levels
+
+
+def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="any OpenAI-style endpoint, e.g. http://host:8000 (default: serve.port here)")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer (left out of the run lock's record)")
+    p.add_argument("--model", help="the model to request (default: the first in GET /v1/models)")
+    p.add_argument("--levels", type=_levels, help="concurrency levels, comma-separated (default 1,2,4,8,16)")
+    p.add_argument(
+        "--requests", dest="requests_per_level", type=int, help="requests per level (default 2 x concurrency, >= 4)"
+    )
+    p.add_argument("--max-tokens", type=int, help="completion tokens per request (default 64)")
+    p.add_argument("--max-retries", type=int, help="retries of a 503/429 after its Retry-After (default 5)")
 
 
 def split_extra(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -200,7 +224,22 @@ LOCKED_COMMANDS = ("regenerate", "featurize", "train", "register", "export", "ev
 def lease(command: str, cfg: RunConfig, flags: dict[str, Any], argv: list[str]) -> AbstractContextManager:
     if command not in LOCKED_COMMANDS or (command == "featurize" and flags.get("verify") and not flags.get("repair")):
         return nullcontext()
-    return run_lock(cfg.run_dir, shlex.join(["griffin", *argv]))
+    return run_lock(cfg.run_dir, shlex.join(["griffin", *redacted(argv)]))
+
+
+SECRET_FLAGS = ("--api-key",)
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """The command line with secrets masked: the lease records it, and a refusal prints it to others."""
+    out = list(argv)
+    for i, item in enumerate(out):
+        flag = item.split("=", 1)[0]
+        if flag in SECRET_FLAGS and "=" in item:
+            out[i] = f"{flag}=***"
+        elif item in SECRET_FLAGS and i + 1 < len(out):
+            out[i + 1] = "***"
+    return out
 
 
 def attach(args: argparse.Namespace, extra: list[str]) -> int:

@@ -6,9 +6,11 @@ trained for this target's weights, tokenizer and chat template (``target_fingerp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +37,53 @@ def _local_draft_dir(text: str) -> Path | None:
 
 def resolve_draft(uri: str | Path, cfg: RunConfig) -> Path:
     """A local draft directory for a directory, a shipped ``drafts/...`` path, ``models:/<name>@<alias>``,
-    ``models:/<name>/<version>``, ``runs:/<run_id>/<path>`` or any MLflow artifact URI."""
-    text = str(uri)
-    local = _local_draft_dir(text)
+    ``models:/<name>/<version>``, ``runs:/<run_id>/<path>`` or any MLflow artifact URI. A registry
+    download is kept (a fresh folder under ``<output_dir>/draft-cache/``): the caller copies or logs
+    from it afterwards. To load a draft, ``loadable_draft`` removes its download once loaded."""
+    local = _local_draft_dir(str(uri))
     if local is not None:
         return local
+    return _download_registered(_registry_uri(uri), cfg, Path(tempfile.mkdtemp(**_cache_folder(uri, cfg))))
+
+
+@contextlib.contextmanager
+def loadable_draft(uri: str | Path, cfg: RunConfig) -> Iterator[Path]:
+    """``resolve_draft`` for as long as the ``with`` block reads the draft: a registry download goes
+    to a temporary folder removed on exit, loaded or not (every replica start and every evaluation
+    downloads again, since aliases move, and the copies would otherwise fill the disk)."""
+    local = _local_draft_dir(str(uri))
+    if local is not None:
+        yield local
+        return
+    text = _registry_uri(uri)
+    with tempfile.TemporaryDirectory(**_cache_folder(uri, cfg)) as folder:
+        yield _download_registered(text, cfg, Path(folder))
+
+
+def _registry_uri(uri: str | Path) -> str:
+    text = str(uri)
     if ":/" not in text:
         raise FileNotFoundError(
             f"draft {text!r} is neither a directory (or a shipped drafts/... path) nor a models:/ or runs:/ URI"
         )
-    return _download_registered(text, cfg)
+    return text
 
 
-def _download_registered(uri: str, cfg: RunConfig) -> Path:
+def _cache_folder(uri: str | Path, cfg: RunConfig) -> dict[str, str]:
+    """Where a download goes: a unique folder per resolution (aliases move, so an old download may be
+    another version; replicas resolving at once never delete each other's), on the outputs' disk."""
+    cache = Path(cfg.output_dir) / "draft-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    return {"dir": str(cache), "prefix": hashlib.sha256(str(uri).encode()).hexdigest()[:16] + "-"}
+
+
+def _download_registered(uri: str, cfg: RunConfig, destination: Path) -> Path:
     import mlflow
     from mlflow.exceptions import MlflowException
 
     from pipeline.runtime import setup_mlflow
 
     setup_mlflow(cfg)
-    # a fresh copy per resolution: aliases move, so an old download may be another version
-    # (a unique folder, so replicas resolving at once never delete each other's download)
-    cache = Path(cfg.output_dir) / "draft-cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    destination = Path(tempfile.mkdtemp(dir=cache, prefix=hashlib.sha256(uri.encode()).hexdigest()[:16] + "-"))
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(destination)))
     except MlflowException as error:
@@ -117,9 +142,9 @@ def check_lineage(draft_dir: str | Path, target: TargetAdapter, source: str | No
 def load_draft_uri(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype: torch.dtype | None = None) -> Any:
     """Resolve, check the lineage, load bound to ``target``. Decoding processes (a pre-packed target)
     get the draft in the target's dtype, pre-packed too; ``dtype`` overrides (training: fp32)."""
-    draft_dir = resolve_draft(uri, cfg)
-    check_lineage(draft_dir, target, str(uri))
-    draft = bind_draft(draft_dir, target, dtype=dtype or target.dtype)
+    with loadable_draft(uri, cfg) as draft_dir:  # the weights are in memory once bound
+        check_lineage(draft_dir, target, str(uri))
+        draft = bind_draft(draft_dir, target, dtype=dtype or target.dtype)
     if target.packed:
         draft.prepack()
     return draft

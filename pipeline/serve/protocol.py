@@ -7,8 +7,8 @@ prompts and texts exactly as the server does, and tests can check them without a
 
 Hostile input is a 400 naming the field, never a 500: ``parse_request`` rejects nesting deeper than
 ``MAX_JSON_DEPTH``, integers longer than ``MAX_INT_DIGITS`` digits and non-finite numbers (NaN,
-Infinity, 1e999) anywhere in the body, and OpenAI fields the server cannot honour (``REFUSED``) unless
-they carry their neutral value.
+Infinity, 1e999) anywhere in the body, and OpenAI fields the server cannot honour
+(``pipeline.serve.fields.REFUSED``: penalties, ``n`` > 1, tools ...) unless they carry their neutral value.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.data.chat import encode, render_chat
+from pipeline.serve.fields import unsupported
 
 logger = logging.getLogger("ray.serve")
 
@@ -59,12 +60,11 @@ class SamplingRequest(_Strict):
     max_completion_tokens: int | None = Field(default=None, gt=0)  # OpenAI's current name for max_tokens
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1 (vLLM's spelling): no top-k
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1  # one choice per request
     speculative: bool = True  # extension: False decodes without the draft (A/B through the endpoint)
     return_token_ids: bool = False  # extension (vLLM's name): the emitted ids in the speculative block
 
@@ -88,6 +88,7 @@ class SamplingRequest(_Strict):
             )
         if self.stream_options is not None and not self.stream:
             raise ApiError("'stream_options' is only allowed with 'stream': true", "stream_options")
+        self.top_k = max(self.top_k, 0)  # the decode's "no top-k" is 0
 
     @property
     def include_usage(self) -> bool:
@@ -225,39 +226,13 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-# field -> (neutral values that are accepted and ignored, why anything else is refused)
-REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (([],), "tool calling is not supported"),
-    "tool_choice": (("none",), "tool calling is not supported"),
-    "functions": (([],), "function calling is not supported"),
-    "function_call": (("none",), "function calling is not supported"),
-    "response_format": (({"type": "text"},), "structured output (JSON mode, json_schema) is not supported"),
-    "logit_bias": (({},), "logit biases are not supported"),
-    "presence_penalty": ((0, 0.0), "penalties would change the target's distribution, which decoding keeps exact"),
-    "frequency_penalty": ((0, 0.0), "penalties would change the target's distribution, which decoding keeps exact"),
-    "echo": ((False,), "echoing the prompt is not supported"),
-    "best_of": ((1,), "one completion is decoded per request"),
-    "suffix": (("",), "insertion (suffix) is not supported"),
-}
-
-
-def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    """None or one of the neutral values, type included (``False`` is not the penalty 0)."""
-    return value is None or any(type(value) is type(n) and value == n for n in neutral)
-
-
 def refuse_unsupported(body: dict[str, Any]) -> None:
-    """An OpenAI field this server would otherwise ignore silently is a 400 naming it, unless it holds
-    its neutral value (null, false, 0, 1, [], {}, "none", {"type": "text"}): clients that always send
-    e.g. ``presence_penalty: 0`` keep working."""
-    for name, (neutral, why) in REFUSED.items():
-        if name in body and not _neutral(body[name], neutral):
-            allowed = " or ".join(json.dumps(n) for n in (None, *neutral))
-            raise ApiError(
-                f"'{name}' is not supported by this server: {why}. Remove it (or send {allowed})",
-                name,
-                code="unsupported_parameter",
-            )
+    """An OpenAI or vLLM field this server does not implement (``pipeline.serve.fields.REFUSED``) is a
+    400 naming it, unless it holds a neutral value: clients that always send e.g. ``presence_penalty: 0``
+    keep working, and none gets an answer that silently ignored what it asked for."""
+    refused = unsupported(body)
+    if refused is not None:
+        raise ApiError(refused[1], refused[0], code="unsupported_parameter")
 
 
 def parse_request(raw: bytes, schema: type[SamplingRequest]) -> SamplingRequest:

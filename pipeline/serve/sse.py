@@ -125,7 +125,7 @@ def sse_chunk(
 ) -> str:
     """One OpenAI stream chunk: a chat ``delta`` ({"role"}/{"content"}) or a completion's ``text``,
     with the ``logprobs`` of its tokens when asked; the final one carries ``finish_reason`` and
-    ``extra`` (usage, the speculative block)."""
+    ``extra`` (the speculative block)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     choice = (
         {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -135,10 +135,10 @@ def sse_chunk(
     return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **(extra or {})})}\n\n"
 
 
-def usage_chunk(head: dict, chat: bool, extra: dict) -> str:
+def usage_chunk(head: dict, chat: bool, usage: dict) -> str:
     """``stream_options.include_usage``: the extra last chunk, ``choices: []`` and the usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': extra['usage']})}\n\n"
+    return f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': usage})}\n\n"
 
 
 async def sse_stream(
@@ -151,13 +151,16 @@ async def sse_stream(
     include_usage: bool = False,
 ) -> AsyncIterator[str]:
     """A stream's events: (chat) the role chunk, one chunk per text delta the moment ``items`` yields it,
-    then the final chunk with ``tail(result, completion_tokens, hit_stop)`` = (finish_reason, extra
-    fields), where ``result`` is the last item, and [DONE]. Closing this closes ``items``.
+    then the final chunk with ``finish_reason`` from ``tail(result, completion_tokens, hit_stop)`` =
+    (finish_reason, extra fields), where ``result`` is the last item, and [DONE]. Closing this closes
+    ``items``.
 
     ``logprobs``: each chunk carries the log-probabilities of the tokens its text completes
-    (``TextDelta.covered``), the last text chunk (or the final chunk) the rest. ``include_usage``
-    (OpenAI's stream_options): every chunk has ``usage: null`` and an extra chunk before [DONE]
-    carries the usage; otherwise the final chunk carries it (this server's default)."""
+    (``TextDelta.covered``), the last text chunk (or the final chunk) the rest. Usage follows OpenAI:
+    only with ``include_usage`` (stream_options), as ``usage: null`` on every chunk and an extra chunk
+    before [DONE] with ``choices: []`` and the usage; the final chunk carries the other extra fields
+    (the speculative block). A failure after the 200 went out is an error chunk, then [DONE], so a
+    client that reads to [DONE] sees the error and the end."""
     if include_usage:
         head = {**head, "usage": None}
     if chat:
@@ -170,17 +173,23 @@ async def sse_stream(
                     yield sse_chunk(head, chat, {"content": item}, logprobs=part)
                 else:
                     result = item
+        delta, n_tokens, hit = text.finish()
+        rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None
+        finish, extra = tail(result, n_tokens, hit)
     except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
         logger.exception("streamed generation failed")
-        yield f"data: {json.dumps(ApiError(f'internal error: {error}', kind='server_error').body())}\n\n"
+        yield error_chunk(f"internal error: {error}")
+        yield SSE_DONE
         return
-    delta, n_tokens, hit = text.finish()
-    rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None
     if delta:
         yield sse_chunk(head, chat, {"content": delta}, logprobs=rest)
         rest = None
-    finish, extra = tail(result, n_tokens, hit)
-    yield sse_chunk(head, chat, {}, finish, {**extra, "usage": None} if include_usage else extra, rest)
+    yield sse_chunk(head, chat, {}, finish, {k: v for k, v in extra.items() if k != "usage"}, rest)
     if include_usage:
-        yield usage_chunk(head, chat, extra)
+        yield usage_chunk(head, chat, extra["usage"])
     yield SSE_DONE
+
+
+def error_chunk(message: str) -> str:
+    """An OpenAI error body as a stream event (what vLLM and OpenAI send when a stream fails)."""
+    return f"data: {json.dumps(ApiError(message, kind='server_error').body())}\n\n"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +47,12 @@ def make_draft(cfg, target, path, seed=0, train_run_id="not-in-this-store"):
     return draft
 
 
+def downloads(cfg):
+    """The registry downloads left under the outputs (``resolve_draft`` keeps its own)."""
+    cache = Path(cfg.output_dir) / "draft-cache"
+    return set(cache.iterdir()) if cache.is_dir() else set()
+
+
 def logits(draft):
     torch.manual_seed(1)
     prediction, _ = draft([torch.randn(1, 5, draft.cfg.hidden_size)], torch.randint(0, 200, (1, 5)))
@@ -72,9 +79,12 @@ def test_register_alias_load(store, target, tmp_path):
     assert info["created"] and info["version"] == 1 and info["aliases"] == ["candidate"]
     resolved = drafts.resolve_draft("models:/load-test@candidate", cfg)
     assert sorted(p.name for p in resolved.iterdir()) == ["config.json", "model.safetensors"]
+    kept = downloads(cfg)
+    assert any(resolved.is_relative_to(folder) for folder in kept)
     for uri in ("models:/load-test@candidate", "models:/load-test/1", f"runs:/{info['run_id']}/draft"):
         loaded = drafts.load_draft_uri(uri, target, cfg)
         assert torch.equal(logits(loaded), logits(draft)), uri
+        assert downloads(cfg) == kept  # a loaded draft's download is removed (replicas load one each start)
     import mlflow
 
     pyfunc = mlflow.pyfunc.load_model("models:/load-test@candidate")  # generates text (tests/pipeline/test_mlflow.py)
@@ -199,8 +209,10 @@ def test_wrong_target_refused(store, target, tmp_path):
     make_draft(cfg, target, tmp_path / "d")
     registry.register(cfg, tmp_path / "d")
     other = build_tiny_target(dict(cfg.target.tiny), torch.float32, seed=1)
+    before = downloads(cfg)
     with pytest.raises(ValueError, match="target weights sha256"):
         drafts.load_draft_uri("models:/lineage-refuse@candidate", other, cfg)
+    assert downloads(cfg) == before  # refused, and removed all the same
     with pytest.raises(ValueError, match="target weights sha256"):
         drafts.load_draft_uri(tmp_path / "d", other, cfg)
     with pytest.raises(ValueError, match="vocab size"):

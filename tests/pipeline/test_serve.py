@@ -122,11 +122,11 @@ def tail(result, n_tokens, hit):
     }
 
 
-def sse_of(run, stops=(), max_new=1000):
+def sse_of(run, stops=(), max_new=1000, include_usage=False):
     from pipeline.serve.engine import stream_rounds
 
     text = TextStream(tiny_tokenizer(), [tiny_tokenizer().eos_token_id], list(stops))
-    return sse_stream(stream_rounds(run, text, max_new), text, HEAD, True, tail)
+    return sse_stream(stream_rounds(run, text, max_new), text, HEAD, True, tail, include_usage=include_usage)
 
 
 def parse(event):
@@ -161,12 +161,12 @@ def test_sse_stream_stops_the_decode_at_a_stop_sequence():
     """The round that completes a stop sequence is the decode's last; usage counts up to that token."""
     tokens = tiny_tokenizer()("one two three four five six")["input_ids"]
     rounds, calls = [tokens[i : i + 2] for i in range(0, len(tokens), 2)], []
-    events = asyncio.run(collect(sse_of(fake_decode(rounds, calls=calls), stops=["thr"])))
-    final = parse(events[-2])
-    content = "".join(parse(e)["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    events = asyncio.run(collect(sse_of(fake_decode(rounds, calls=calls), stops=["thr"], include_usage=True)))
+    final, usage = parse(events[-3]), parse(events[-2])["usage"]
+    content = "".join(parse(e)["choices"][0]["delta"].get("content", "") for e in events[:-3])
     assert content == "one two " and final["choices"][0]["finish_reason"] == "stop"
     n_stop = len(tiny_tokenizer()("one two thr")["input_ids"])
-    assert final["usage"]["completion_tokens"] == n_stop and calls[-1] == "StopDecoding"
+    assert usage["completion_tokens"] == n_stop and calls[-1] == "StopDecoding"
     assert calls[-2] == (n_stop - 1) // 2 and final["rounds"] == (n_stop - 1) // 2  # no round after it
 
 
@@ -259,7 +259,7 @@ def test_streaming_matches_non_streaming(server):
     assert streamed_text(chunks) == whole["choices"][0]["message"]["content"]
     assert len(chunks) > 3  # several rounds, several content chunks (not one blob at the end)
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
-    assert chunks[-1]["usage"] == whole["usage"] and chunks[-1]["speculative"] == whole["speculative"]
+    assert "usage" not in chunks[-1] and chunks[-1]["speculative"] == whole["speculative"]  # usage: if asked
     completion = {"prompt": "abc", "max_tokens": 24, "temperature": 0}
     text_chunks = events(server, "/v1/completions", {**completion, "stream": True})
     assert text_chunks[-1]["speculative"]["rounds"] >= 1 and text_chunks[0]["object"] == "text_completion"
@@ -273,11 +273,41 @@ def test_streaming_with_stop_matches_non_streaming(server):
     for stop in (full[10:12], [full[3:5], "never-there"]):
         whole = chat(server, "Go on.", max_tokens=32, stop=stop)
         body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 32, "temperature": 0}
-        chunks = events(server, CHAT, {**body, "stop": stop, "stream": True})
+        usage_asked = {"stream": True, "stream_options": {"include_usage": True}}
+        *chunks, last = events(server, CHAT, {**body, "stop": stop, **usage_asked})
         assert streamed_text(chunks) == whole["choices"][0]["message"]["content"], stop
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop" == whole["choices"][0]["finish_reason"]
-        assert chunks[-1]["usage"] == whole["usage"]
+        assert last["choices"] == [] and last["usage"] == whole["usage"]
         assert chunks[-1]["speculative"]["rounds"] <= whole["speculative"]["rounds"]  # stopped early
+
+
+def test_official_openai_client(server):
+    """The official openai client, as users call the endpoint: chat, streamed chat with and without
+    usage, completions, and a refused field; the answers are the plain HTTP ones."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    ask = {"model": model, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12}
+    reply = client.chat.completions.create(**ask, temperature=0)
+    expected = chat(server, "Tell me a story.")
+    assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]
+    assert reply.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    assert reply.model_extra["speculative"]["rounds"] >= 1  # the extension block, an extra field
+    for options in ({}, {"stream_options": {"include_usage": True}}):
+        chunks = list(client.chat.completions.create(**ask, temperature=0, stream=True, **options))
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+        )
+        usages = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+        assert usages == ([reply.usage.completion_tokens] if options else [])
+        assert chunks[-1].choices == [] if options else chunks[-1].choices[0].finish_reason
+    completion = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=10, temperature=0)
+    raw = server.client.post("/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0})
+    assert completion.choices[0].text == raw.json()["choices"][0]["text"] and completion.usage.total_tokens > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**ask, presence_penalty=0.5)
+    assert refused.value.param == "presence_penalty" and refused.value.code == "unsupported_parameter"
 
 
 def test_client_leaving_mid_stream_leaves_the_server_serving(server):
@@ -376,7 +406,7 @@ def test_bench_serve_and_eval_through_serve(server, tmp_path):
         ("vanilla", 2),
     ]
     assert all(level["ttft_p50_s"] <= level["latency_p50_s"] and level["shed_rate"] == 0 for level in load["levels"])
-    assert (server.cfg.run_dir / "eval" / "serve_load.md").is_file()
+    assert all((server.cfg.run_dir / "eval" / f"serve_load.{ext}").is_file() for ext in ("md", "json", "png"))
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["Hi.", "More."]}) + "\n")
     cfg = server.cfg.model_copy(

@@ -203,6 +203,10 @@ REFUSED = {
     "frequency_penalty": -1,
     "echo": True,
     "best_of": 2,
+    "n": 2,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "ignore_eos": True,
 }
 
 
@@ -230,6 +234,10 @@ def test_unsupported_fields_are_400_naming_the_field(server, path):
         "frequency_penalty": 0.0,
         "echo": False,
         "best_of": 1,
+        "n": 1,
+        "min_p": 0.0,
+        "repetition_penalty": 1,
+        "top_k": -1,  # vLLM's "no top-k"
         "user": "u1",
     }
     assert post(server, {**base, **neutral}, path).status_code == 200  # neutral values are accepted
