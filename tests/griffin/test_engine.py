@@ -1,0 +1,198 @@
+"""The batching engine is lossless per request: concurrent rows decode exactly what each would alone."""
+
+import pytest
+import torch
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import speculative_generate, vanilla_generate
+from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy, generate_batch
+from griffin.model import GriffinDraft
+from griffin.rows import row_mask
+from tests.conftest import make_target
+
+GREEDY = SamplingConfig()
+SMALL = TreeConfig(total_tokens=12, depth=3, top_k=4)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 128, (int(torch.randint(1, 24, (), generator=gen)),), generator=gen).tolist()
+        for _ in range(count)
+    ]
+
+
+def _zero_past_lengths(cache) -> bool:
+    """griffin.rows' invariant: every column at or past a row's length is zero."""
+    return all(
+        not tensors.keys[slot, :, length:].any() and not tensors.values[slot, :, length:].any()
+        for tensors in cache.tensors
+        for slot, length in enumerate(cache.slots.lengths)
+    )
+
+
+def test_row_mask_places_each_rows_block_after_its_prefix():
+    block = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [1, 1]]], dtype=torch.bool)
+    mask = row_mask(torch.tensor([2, 0]), block, 5)
+    assert mask.int().tolist() == [[[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_verify_equals_per_request_verify_with_poisoned_padding(arch):
+    """Three rows of different prefix lengths verify different trees in one pass; each row's logits
+    equal its own batch-1 verify. The slots' previous occupant left NaN keys behind: releasing a
+    slot zeroes it, so no NaN reaches a neighbour through masked padding."""
+    target = make_target(arch)
+    prefixes = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 11, 7)]
+    cache = target.new_row_cache(3, 64)
+    for tensors in cache.tensors:  # a previous occupant's overflowed KV everywhere
+        tensors.keys.fill_(float("nan"))
+        tensors.values.fill_(float("nan"))
+    for slot in range(3):
+        cache.release(slot, slot)
+    assert _zero_past_lengths(cache)
+    for slot, prefix in enumerate(prefixes):
+        starts, _ = cache.slots.begin(slot, slot + 1, prefix.numel())
+        target.forward(prefix[None], cache, starts[:, None] + torch.arange(prefix.numel()), all_logits=False)
+        cache.slots.lengths[slot] += prefix.numel()
+    N = 5
+    trees = [torch.randint(3, 128, (N,), generator=torch.Generator().manual_seed(40 + b)) for b in range(3)]
+    chain = torch.ones(N, N, dtype=torch.bool).tril()
+    blocks = torch.stack([chain, torch.eye(N, dtype=torch.bool), chain])  # (3, N, N): a chain, a fan, a chain
+    depths = torch.stack([torch.arange(N), torch.zeros(N, dtype=torch.long), torch.arange(N)])
+    starts, width = cache.slots.begin(0, 3, N)
+    _, batched = target.forward(torch.stack(trees), cache, starts[:, None] + depths, row_mask(starts, blocks, width))
+    assert torch.isfinite(batched).all()
+    for b, prefix in enumerate(prefixes):
+        alone = target.new_cache(32)
+        target.forward(prefix[None], alone, all_logits=False)
+        _, expected = target.verify(trees[b], depths[b], blocks[b], alone)
+        torch.testing.assert_close(batched[b], expected[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tree", [SMALL, TreeConfig(), None], ids=["small", "wide", "plain"])
+def test_concurrent_greedy_rows_equal_their_batch1_vanilla_output(arch, tree):
+    target = make_target(arch)
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    prompts = _prompts(5)
+    results = generate_batch(
+        target, draft, [DecodeRequest(p, GREEDY, 24, stop_token_ids=[]) for p in prompts], SpeculationPolicy({1: tree})
+    )
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == vanilla_generate(target, torch.tensor([prompt]), GREEDY, 24, stop_token_ids=[]).tokens
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)]
+)
+def test_seeded_rows_equal_their_batch1_output_with_the_same_seed(sampling):
+    """The same trees are drafted batched as alone (rows are independent), and each row samples
+    with its own generator: a seeded request's tokens and rounds do not depend on its neighbours."""
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    prompts = _prompts(4, seed=1)
+    requests = [DecodeRequest(p, sampling, 30, torch.Generator().manual_seed(i), []) for i, p in enumerate(prompts)]
+    results = generate_batch(target, draft, requests, SpeculationPolicy({1: SMALL}))
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        alone = speculative_generate(
+            target, draft, torch.tensor([prompt]), SMALL, sampling, 30, torch.Generator().manual_seed(i), []
+        )
+        assert result.tokens == alone.tokens
+        assert result.stats.accepted_per_round == alone.stats.accepted_per_round
+
+
+def test_unseeded_sampling_under_concurrency_matches_the_target():
+    """Joint law of the first two tokens of rows decoding 4 at a time (the second through a batched
+    tree verify, beside other rows' trees) == the target's, chi-square."""
+    from scipy.stats import chisquare
+
+    from tests.griffin.test_decode import _exact_joint
+
+    target = make_target("llama", vocab_size=8, seed=7)
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)
+    sampling, n = SamplingConfig(temperature=1.0), 1200
+    torch.manual_seed(0)  # unseeded requests draw from the global generator
+    prompt, others = [1, 4, 3], [[2, 5], [6, 1, 1, 7], [3]]
+    counts = torch.zeros(8, 8)
+    for _ in range(n // 4):
+        requests = [DecodeRequest(prompt, sampling, 2, stop_token_ids=[]) for _ in range(4)]
+        requests += [DecodeRequest(p, sampling, 5, stop_token_ids=[]) for p in others]  # neighbours of other lengths
+        for result in generate_batch(
+            target, draft, requests, SpeculationPolicy({1: TreeConfig(total_tokens=6, depth=3, top_k=3)})
+        )[:4]:
+            counts[result.tokens[0], result.tokens[1]] += 1
+    expected = _exact_joint(target, torch.tensor([prompt]), sampling).double().flatten() * n
+    keep = expected > 5
+    observed = torch.cat([counts.double().flatten()[keep], counts.double().flatten()[~keep].sum()[None]])
+    expected = torch.cat([expected[keep], (n - expected[keep].sum())[None]])
+    assert chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue > 1e-3
+
+
+def test_rows_join_leave_and_cancel_mid_decode_and_reused_slots_decode_as_fresh():
+    """Two slots, six requests of different lengths: rows join as others finish (slots reused, rows
+    moved), one is cancelled mid-decode; every other output equals its batch-1 output, and the
+    zero-past-length invariant holds after every step."""
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    engine = BatchEngine(
+        target, draft, SpeculationPolicy({1: SMALL, 2: TreeConfig(total_tokens=6, depth=2, top_k=3)}), max_rows=2
+    )
+    prompts, budgets = _prompts(6, seed=3), [5, 17, 9, 30, 3, 12]
+    rows = [engine.submit(DecodeRequest(p, GREEDY, m, stop_token_ids=[])) for p, m in zip(prompts, budgets)]
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.cancel(rows[3])
+        assert len(engine.rows) <= 2
+        assert _zero_past_lengths(engine.cache) and _zero_past_lengths(engine.draft_cache)
+    assert rows[3].done.is_set() and len(rows[3].result.tokens) < budgets[3]
+    for i, (row, prompt, budget) in enumerate(zip(rows, prompts, budgets)):
+        if i != 3:
+            assert (
+                row.result.tokens
+                == vanilla_generate(target, torch.tensor([prompt]), GREEDY, budget, stop_token_ids=[]).tokens
+            )
+
+
+def test_policy_picks_the_tree_for_the_batch_size_and_plain_rounds_keep_the_draft_in_step(monkeypatch):
+    """{1: tree, 2: plain}: two rows decode plainly, and when one leaves the other speculates again,
+    its draft caught up on every token committed meanwhile; outputs unchanged."""
+    policy = SpeculationPolicy({1: SMALL, 2: None, 4: TreeConfig(total_tokens=6, depth=5, top_k=1)})
+    assert policy.tree_for(1) == SMALL and policy.tree_for(3) is None and policy.tree_for(9).depth == 5
+    with pytest.raises(ValueError, match="batch size 1"):
+        SpeculationPolicy({2: None})
+    import griffin.engine
+
+    catch_ups, real = [], griffin.engine.catch_up_rows
+    monkeypatch.setattr(griffin.engine, "catch_up_rows", lambda *a: catch_ups.append(a[4]) or real(*a))
+    target = make_target("qwen2")
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    prompts = _prompts(2, seed=5)
+    requests = [
+        DecodeRequest(prompts[0], GREEDY, 6, stop_token_ids=[]),
+        DecodeRequest(prompts[1], GREEDY, 30, stop_token_ids=[]),
+    ]
+    results = generate_batch(target, draft, requests, policy)
+    # row 0 drafts alone for a round, then both decode plainly until row 0 is done; alone again, row 1
+    # drafts, first catching up on the pairs of its prompt and of every plain round at once
+    assert catch_ups and all(len(counts) == 1 for counts in catch_ups)
+    assert any(counts[0] >= len(prompts[1]) + 2 for counts in catch_ups[1:])
+    for prompt, result, budget in zip(prompts, results, (6, 30)):
+        assert (
+            result.tokens == vanilla_generate(target, torch.tensor([prompt]), GREEDY, budget, stop_token_ids=[]).tokens
+        )
+
+
+def test_a_request_without_speculation_decodes_plainly_beside_speculative_rows():
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    prompts = _prompts(3, seed=6)
+    requests = [DecodeRequest(p, GREEDY, 16, stop_token_ids=[], speculative=(i != 1)) for i, p in enumerate(prompts)]
+    results = generate_batch(target, draft, requests, SpeculationPolicy({1: SMALL}))
+    assert set(results[1].stats.accepted_per_round) == {0}
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == vanilla_generate(target, torch.tensor([prompt]), GREEDY, 16, stop_token_ids=[]).tokens
