@@ -51,23 +51,36 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     from griffin.config import TreeConfig
     from pipeline.evaluate.tune import reusable_tuning, run_tune_tree
 
-    finished = reusable_tuning(cfg, model_uri)
-    if finished is not None:
-        best = finished["best"]
+    tuning = reusable_tuning(cfg, model_uri)
+    if tuning is not None:
         say(f"tune-tree for {model_uri} already in {cfg.run_dir / 'tune_tree'}: reused")
     else:
-        best = run_tune_tree(cfg, draft=model_uri)["best"]
+        tuning = run_tune_tree(cfg, draft=model_uri)
+    best = tuning["best"]
     tree = TreeConfig(**{name: best[name] for name in ("total_tokens", "depth", "top_k")})
     say(
         f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
         f"(τ {best['tau']:.2f} on the calibration prompts)"
     )
+    say(
+        "serving policy (tree per batch size): "
+        + ", ".join(
+            f"{b}: {t and '/'.join(str(v) for v in t.values()) or 'plain'}" for b, t in tuning["policy"].items()
+        )
+    )
     return cfg.model_copy(
         update={
-            "decode": cfg.decode.model_copy(update={"tree": tree}),
+            "decode": cfg.decode.model_copy(update={"tree": tree, "policy": _policy(tuning["policy"])}),
             "eval": cfg.eval.model_copy(update={"tree": None}),
         }
     )
+
+
+def _policy(policy: dict[str, Any]) -> dict[int, Any]:
+    """tune_tree.json's policy {"1": tree dict, "4": null} -> decode.policy {1: TreeConfig, 4: None}."""
+    from griffin.config import TreeConfig
+
+    return {int(batch): (TreeConfig(**tree) if tree else None) for batch, tree in policy.items()}
 
 
 def results_table(summary: dict[str, Any]) -> str:

@@ -112,6 +112,14 @@ class RunConfig(Section):
         explicit = self.eval.tree.model_dump(include=self.eval.tree.model_fields_set)
         return TreeConfig(**{**self.decode.tree.model_dump(), **explicit})
 
+    @property
+    def speculation_policy(self) -> Any:
+        """The serving engine's tree per batch size (griffin.engine.SpeculationPolicy): ``decode.policy``,
+        or ``decode.tree`` at every batch size."""
+        from griffin.engine import SpeculationPolicy
+
+        return SpeculationPolicy(self.decode.policy or {1: self.decode.tree})
+
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)
 

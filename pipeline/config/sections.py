@@ -198,10 +198,13 @@ class ServeSection(Section):
         default=None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas"
     )
     max_ongoing_requests: int = Field(
-        default=4,
+        default=8,
         ge=1,
-        description="completions a replica holds at once: one decodes, the rest wait for it "
+        description="completions a replica holds at once: up to max_batch decode together, the rest wait "
         "(the replica's queue); one more is shed with 503 + Retry-After",
+    )
+    max_batch: int = Field(
+        default=8, ge=1, description="requests a replica decodes together, one round for all (the engine's slots)"
     )
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
@@ -261,6 +264,23 @@ class DecodeSection(Section):
         description="tune-tree's coordinate-search sweeps over total_tokens, "
         "depth and top_k (each costs up to 23 trees)",
     )
+    policy: dict[int, TreeConfig | None] | None = Field(
+        default=None,
+        description="the tree a serving replica drafts at each batch size: {rows: tree, or null = plain "
+        "decoding}; the largest key <= the batch applies; griffin tune-tree measures it on this machine. "
+        "null: decode.tree at every batch size",
+    )
+    tune_batches: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8],
+        description="the batch sizes tune-tree measures the policy at (decoding that many calibration prompts at once)",
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_from_one(cls, policy: dict[int, TreeConfig | None] | None) -> dict[int, TreeConfig | None] | None:
+        if policy is not None and (1 not in policy or min(policy) < 1):
+            raise ValueError(f"decode.policy needs batch sizes >= 1 including 1, got {sorted(policy)}")
+        return policy
 
 
 class EvalSection(Section):

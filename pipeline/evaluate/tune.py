@@ -37,12 +37,14 @@ from griffin.decode import acceptance_length, device_time, speculative_generate
 from griffin.replay import GREEDY, GreedyReference, greedy_reference, replay_greedy
 from pipeline import console
 from pipeline.config import RunConfig
+from pipeline.evaluate.batch_policy import candidate_trees, measure_policy, policy_json, policy_table
 from pipeline.files import atomic_write_text, finished, reuse_key
 
 logger = logging.getLogger(__name__)
 TOTAL_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEPTHS = (2, 3, 4, 5, 6, 8)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
+POLICY_MAX_NEW = 32  # tokens per prompt when measuring the policy (a batch of 8 x 5 options x 2 repetitions)
 CURVE_PREFIX = 256  # committed tokens before the verified tree (a mid-conversation context)
 
 
@@ -150,6 +152,7 @@ def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: 
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
         "sweeps": cfg.decode.tune_sweeps,
+        "batches": sorted(set(cfg.decode.tune_batches) | {1}),
         "start": cfg.eval_tree.model_dump(),
         "machine": machine_identity(),
     }
@@ -197,6 +200,16 @@ def run_tune_tree(
 
     best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
+    policy, policy_curve = measure_policy(
+        target,
+        draft_model,
+        [ids[0].tolist() for ids in calibration],
+        candidate_trees([asdict(c) for c in ranked]),
+        cfg.decode.tune_batches,
+        min(max_new_tokens, POLICY_MAX_NEW),
+        reps=1,
+    )
+    policy[1] = best.tree  # a lone request decodes with the searched tree, as evaluation does
     settings = tune_settings(cfg, draft_uri, prompts, max_new_tokens)
     result = {
         "key": reuse_key(settings),  # what a later run compares to reuse this tuning (``reusable_tuning``)
@@ -208,6 +221,8 @@ def run_tune_tree(
         "best": asdict(best),
         "expected_speedup": best.tokens_per_s / vanilla,
         "candidates": [asdict(c) for c in ranked],
+        "policy": policy_json(policy),  # decode.policy: the tree per batch size of a serving replica
+        "policy_curve": policy_curve,
         "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")],
     }
     out = cfg.run_dir / "tune_tree"
@@ -226,6 +241,7 @@ def run_tune_tree(
     return {
         "best": asdict(best),
         "tree": best.tree.model_dump(),
+        "policy": result["policy"],
         "expected_speedup": round(result["expected_speedup"], 3),
         "report": str(out),
     }
@@ -258,6 +274,13 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
         f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
         f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
         for c in result["candidates"]
+    ]
+    lines += [
+        "",
+        "Serving: decode tokens/s of the calibration prompts decoded B at a time (griffin.engine), per",
+        "option; `decode.policy` is the best per batch size (at batch 1, the searched tree):",
+        "",
+        *policy_table(result["policy_curve"], result["policy"]),
     ]
     atomic_write_text(out / "tune_tree.md", "\n".join(lines) + "\n")
 

@@ -68,6 +68,27 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     TreeConfig(total_tokens=best["total_tokens"], depth=best["depth"], top_k=best["top_k"])  # a valid tree
     assert report["settings"]["prompts"] == 2 and len(report["verify_ms_by_tokens"]) == 11
     assert (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.png").stat().st_size > 0
+    # the serving policy: every batch size measured, plain decoding among the options, batch 1 = the best tree
+    policy = report["policy"]
+    assert (
+        sorted(int(b) for b in policy) == [1, 2, 4, 8]
+        and policy["1"] == TreeConfig(**{k: best[k] for k in ("total_tokens", "depth", "top_k")}).model_dump()
+    )
+    assert {row["batch"] for row in report["policy_curve"]} == {1, 2, 4, 8}
+    assert all(any(r["batch"] == b and r["tree"] == "plain" for r in report["policy_curve"]) for b in (1, 2, 4, 8))
+    assert "| batch |" in (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.md").read_text()
+    assert (
+        load_config(TINY, [f"output_dir={tmp_path}"])
+        .model_copy(
+            update={
+                "decode": cfg.decode.model_copy(
+                    update={"policy": {int(b): t and TreeConfig(**t) for b, t in policy.items()}}
+                )
+            }
+        )
+        .speculation_policy.tree_for(1)
+        is not None
+    )
 
 
 def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
