@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,7 @@ class DecodeRequest:
     speculative: bool = True  # False: this request never drafts (A/B through one endpoint)
     on_tokens: TokenCallback | None = None  # each round's committed tokens; raising ends the request
     logprobs: LogprobRecorder | None = None
+    on_done: Callable[["Row"], None] | None = None  # called once with the finished row (its result or error)
 
 
 @dataclass
@@ -150,7 +152,11 @@ class BatchEngine:
                 self._admit(row)
             self._retire()  # the admitted row may be done already; cancelled rows leave before the round
             if self.rows:
-                self._round()
+                try:
+                    self._round()
+                except Exception as error:  # a round that failed fails its rows, not the engine
+                    for row in self.rows:
+                        row.error = error
             self._retire()
 
     def _drop_cancelled_waiting(self) -> None:
@@ -303,6 +309,8 @@ class BatchEngine:
         logprobs = row.request.logprobs.entries if row.request.logprobs is not None else None
         row.result = GenerationResult(row.out, row.stats, reason, logprobs)
         row.done.set()
+        if row.request.on_done is not None:
+            row.request.on_done(row)
 
 
 def generate_batch(

@@ -1,7 +1,8 @@
-"""One request's decode inside a replica: the decode runs in a worker thread (``stream_rounds``), its rounds
-come back to the event loop as text deltas, and it stops at its next round when the client leaves, a stop
-sequence is met or the request times out (``until_done``). ``DecodeTrace`` records what it did and when;
-``check_progress`` is the replica's health check on it."""
+"""Requests' decodes inside a replica: one batching engine per replica (``ReplicaEngine``: griffin.engine
+in a thread of its own) decodes every admitted request together; each request's rounds come back to
+the event loop as text deltas (``stream_rounds``), and it leaves at its next round when the client
+leaves, a stop sequence is met or the request times out (``until_done``). ``DecodeTrace`` records what
+each did and when; ``check_progress`` is the replica's health check on them."""
 
 from __future__ import annotations
 
@@ -17,15 +18,9 @@ from fastapi import Request
 
 import torch
 
-from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import (
-    GenerationResult,
-    GenerationStats,
-    LogprobRecorder,
-    TokenCallback,
-    speculative_generate,
-    vanilla_generate,
-)
+from griffin.config import SamplingConfig
+from griffin.decode import GenerationResult, LogprobRecorder
+from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
 from pipeline.serve.protocol import LogprobFormatter, SamplingRequest
@@ -35,64 +30,71 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 
 class StopDecoding(Exception):
-    """Raised from the per-round callback to end a decode early; the worker catches it."""
+    """Raised from a row's per-round callback to end its decode early (a stop sequence was met)."""
 
 
-def _result_from_rounds(rounds: list[list[int]]) -> GenerationResult:
-    """A decode stopped early returns nothing: rebuild its result from the callbacks (the first is the
-    prefill's token, each later one a round: its accepted draft tokens + 1; a vanilla round is 1 token)."""
-    stats = GenerationStats(rounds=len(rounds) - 1, accepted_per_round=[len(r) - 1 for r in rounds[1:]])
-    return GenerationResult([t for r in rounds for t in r], stats, "stop")
+class ReplicaEngine:
+    """A replica's batching engine (griffin.engine.BatchEngine) and the thread that runs its rounds:
+    requests join from the event loop (``stream_rounds``), decode together, and leave on their own."""
+
+    def __init__(self, target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy, max_rows: int):
+        self.engine = BatchEngine(target, draft, policy, max_rows)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="griffin-engine", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            if self.engine.wait_for_work(timeout=0.5):
+                self.engine.step()
+
+    def close(self) -> None:
+        self.stopping.set()
+
+    @property
+    def active(self) -> int:
+        return len(self.engine.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.engine.waiting)
 
 
 async def stream_rounds(
-    run: Callable[[TokenCallback], GenerationResult], text: TextStream, max_new: int, lock: asyncio.Lock | None = None
+    engine: ReplicaEngine, request: DecodeRequest, text: TextStream, max_new: int, trace: "DecodeTrace | None" = None
 ) -> AsyncIterator[str | GenerationResult]:
-    """Runs ``run(on_tokens)`` (the decode) in a worker thread once ``lock`` (the replica's decode lock,
-    first come first served) is free; yields each round's text delta as soon as it is committed, then
-    the GenerationResult. The decode ends early once ``text`` has met a stop sequence or this iterator
-    is closed or cancelled (the client went away, the request timed out): at its next round, or before
-    it starts when that happens while waiting for the lock, so the lock is not held for nothing. Every
-    request, streaming or not, decodes through here: one mechanism for stopping early."""
-    loop, queue, closed, rounds = asyncio.get_running_loop(), asyncio.Queue(), threading.Event(), []
+    """Submits ``request`` to the replica's engine and yields each round's text delta as soon as it is
+    committed, then the GenerationResult. The row ends early once ``text`` has met a stop sequence,
+    or at the next round once this iterator is closed or cancelled (the client went away, the request
+    timed out); a request that leaves while waiting for a slot never decodes. Every request, streaming
+    or not, decodes through here: one mechanism for stopping early."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
     def post(item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody is listening
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    def on_tokens(tokens: list[int]) -> None:  # in the worker: detokenizing here keeps the loop free
-        rounds.append(tokens)
+    def on_tokens(tokens: list[int]) -> None:  # in the engine thread: detokenizing there keeps the loop free
+        if trace is not None:
+            trace.round(tokens)
         delta = text.push(tokens)
         if delta:
             post(delta)
         ending = len(text.tokens) >= max_new or tokens[-1] in text.stop_ids  # its last call anyway
-        if (text.stopped or closed.is_set()) and not ending:  # a finished decode keeps its exact stats
+        if text.stopped and not ending:  # a finished decode keeps its exact stats
             raise StopDecoding
 
-    def work() -> None:
-        try:
-            outcome = run(on_tokens)
-        except StopDecoding:
-            outcome = _result_from_rounds(rounds)
-        except BaseException as error:  # re-raised in the event loop, where the stream reports it
-            outcome = error
-        finally:
-            if lock is not None:  # the next decode may start only once this one is really over
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(lock.release)
-        post(outcome)
-
-    if lock is not None:
-        await lock.acquire()  # cancelled or closed while waiting: nothing ran, nothing to release
-    loop.run_in_executor(None, work)
+    request.on_tokens, request.on_done = on_tokens, post
+    row = engine.engine.submit(request)
     try:
         while isinstance(item := await queue.get(), str):
             yield item
     finally:
-        closed.set()  # early only when the consumer stopped listening: end the decode at its next round
-    if isinstance(item, BaseException):
-        raise item
-    yield item
+        if not row.done.is_set():  # the consumer stopped listening: the row leaves at the next round
+            engine.engine.cancel(row)
+    if row.error is not None and not isinstance(row.error, StopDecoding):
+        raise row.error
+    yield row.result
 
 
 async def _last_item(items: AsyncIterator[Any]) -> Any:
@@ -221,35 +223,12 @@ class Once:
             action()
 
 
-def generate(
-    target: TargetAdapter,
-    draft: GriffinDraft | None,
-    tree: TreeConfig,
-    req: SamplingRequest,
-    prompt_ids: list[int],
-    max_new: int,
-    on_tokens: TokenCallback | None = None,
-    logprobs: LogprobRecorder | None = None,
-) -> GenerationResult:
-    """A request's decode with ``draft`` (None: vanilla), blocking: run it in a worker thread under the
-    replica's decode lock; ``on_tokens`` gets each round's
-    tokens, ``logprobs`` (when asked) their log-probabilities."""
+def decode_request(
+    req: SamplingRequest, prompt_ids: list[int], max_new: int, speculative: bool, device: torch.device, logprobs: LogprobRecorder | None
+) -> DecodeRequest:
+    """A parsed request as the engine's ``DecodeRequest``: its sampling, its own seeded generator."""
     # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
     temperature = req.temperature if req.temperature >= 1e-5 else 0.0
     sampling = SamplingConfig(temperature=temperature, top_p=req.top_p, top_k=req.top_k)
-    device = target.device
     generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
-    input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
-    if draft is not None:
-        return speculative_generate(
-            target,
-            draft,
-            input_ids,
-            tree,
-            sampling,
-            max_new,
-            generator,
-            on_tokens=on_tokens,
-            logprobs=logprobs,
-        )
-    return vanilla_generate(target, input_ids, sampling, max_new, generator, on_tokens=on_tokens, logprobs=logprobs)
+    return DecodeRequest(prompt_ids, sampling, max_new, generator, speculative=speculative, logprobs=logprobs)
