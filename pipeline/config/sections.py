@@ -209,8 +209,8 @@ class ServeSection(Section):
     max_queued_requests: int = Field(
         default=16,
         ge=1,
-        description="Serve's bound on requests waiting at the proxy for a replica slot; "
-        "overflow gets 503 + Retry-After",
+        description="Serve's bound on requests waiting for a replica slot (in the ingress for a decoder, "
+        "at the proxy for the ingress); overflow gets 503 + Retry-After",
     )
     control_slots: int = Field(
         default=16,

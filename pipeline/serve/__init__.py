@@ -1,6 +1,6 @@
-"""Ray Serve: the deployment and app builder (``app``), starting and stopping it (``lifecycle``), a request's
-decode (``engine``), metrics (``metrics``), the OpenAI wire protocol (``protocol``) and
-server-sent events (``sse``). May import: ``pipeline.resources``, ``pipeline.data.chat`` and the pipeline
+"""Ray Serve: the app builder (``app``) of two deployments, the HTTP edge (``ingress``) in front of the
+decoder (``decoder``); starting and stopping it (``lifecycle``), a request's decode (``engine``), metrics
+(``metrics``), the OpenAI wire protocol (``protocol``) and server-sent events (``sse``). May import: ``pipeline.resources``, ``pipeline.data.chat`` and the pipeline
 root. Entry points: ``app.app_builder``, ``lifecycle.run_serve``."""
 
 

@@ -1,6 +1,6 @@
 """One request's decode inside a replica: the decode runs in a worker thread (``stream_rounds``), its rounds
-come back to the event loop as text deltas, and it stops at its next round when the client leaves, a stop
-sequence is met or the request times out (``until_done``). ``DecodeTrace`` records what it did and when;
+come back to the event loop as text deltas, and it stops at its next round when a stop sequence is met or
+the call is cancelled (its client left, the request timed out). ``DecodeTrace`` records what it did and when;
 ``check_progress`` is the replica's health check on it."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
-
-from fastapi import Request
 
 import torch
 
@@ -30,8 +28,6 @@ from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
 from pipeline.serve.protocol import LogprobFormatter, SamplingRequest
 from pipeline.serve.sse import TextStream
-
-DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
 class StopDecoding(Exception):
@@ -95,39 +91,13 @@ async def stream_rounds(
     yield item
 
 
-async def _last_item(items: AsyncIterator[Any]) -> Any:
-    """Drains ``items`` (a non-streaming request's decode) and returns its last item, the result."""
+async def last_item(items: AsyncIterator[Any]) -> Any:
+    """Drains ``items`` (a non-streaming request's decode) and returns its last item, the result; when
+    this is cancelled (the ingress cancelled the call) ``items`` is closed, which ends the decode."""
     async with contextlib.aclosing(items):
         async for item in items:
             last = item
     return last
-
-
-class ClientGone(Exception):
-    """The client of a non-streaming request disconnected before its answer was ready."""
-
-
-async def until_done(items: AsyncIterator[Any], request: Request, poll_s: float = DISCONNECT_POLL_S) -> Any:
-    """A non-streaming request's result, watching its client meanwhile: when it disconnects (or this
-    coroutine is cancelled: Serve cancels a request whose client left or that timed out), the decode's
-    ``items`` are cancelled, which stops the decode at its next round (``stream_rounds``)."""
-    consumer = asyncio.ensure_future(_last_item(items))
-    try:
-        while True:
-            done, _ = await asyncio.wait({consumer}, timeout=poll_s)
-            if done:
-                return consumer.result()
-            if await _disconnected(request):
-                raise ClientGone
-    finally:
-        consumer.cancel()  # a no-op once it is done
-
-
-async def _disconnected(request: Request) -> bool:
-    try:
-        return await request.is_disconnected()
-    except Exception:  # a receive channel that failed: Serve's own cancellation still applies
-        return False
 
 
 class DecodeTrace:
@@ -207,18 +177,6 @@ class Job:
     recorder: LogprobRecorder | None
     formatter: LogprobFormatter | None
     trace: DecodeTrace
-
-
-class Once:
-    """Calls ``action`` the first time it is called, never again (an admission slot's release)."""
-
-    def __init__(self, action: Callable[[], None]):
-        self.action: Callable[[], None] | None = action
-
-    def __call__(self) -> None:
-        action, self.action = self.action, None
-        if action is not None:
-            action()
 
 
 def generate(

@@ -8,7 +8,8 @@ import time
 from ray import serve
 
 from pipeline.config import RunConfig
-from pipeline.serve.app import APP_NAME, ServeArgs, app_builder, served_model_name
+from pipeline.serve.app import APP_NAME, ServeArgs, app_builder
+from pipeline.serve.decoder import served_model_name
 
 
 def serve_url(cfg: RunConfig) -> str:

@@ -115,6 +115,15 @@ class TextStream:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_error(error: ApiError) -> str:
+    """The end of a stream that failed after its 200 was sent: the OpenAI error body, with the HTTP
+    status the failure would have had (``status``: 503 = retry, 500 = a bug), then ``[DONE]``, so a
+    client sees both why and that nothing more is coming."""
+    body = error.body()
+    body["error"]["status"] = error.status
+    return f"data: {json.dumps(body)}\n\n{SSE_DONE}"
+
+
 def sse_chunk(
     head: dict,
     chat: bool,
@@ -172,7 +181,7 @@ async def sse_stream(
                     result = item
     except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
         logger.exception("streamed generation failed")
-        yield f"data: {json.dumps(ApiError(f'internal error: {error}', kind='server_error').body())}\n\n"
+        yield sse_error(ApiError(f"internal error: {error}", status=500, kind="server_error"))
         return
     delta, n_tokens, hit = text.finish()
     rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None
