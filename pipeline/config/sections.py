@@ -200,23 +200,23 @@ class ServeSection(Section):
     max_ongoing_requests: int = Field(
         default=4,
         ge=1,
-        description="completions a replica holds at once: one decodes, the rest wait for it "
-        "(the replica's queue); one more is shed with 503 + Retry-After",
+        description="completions a decoder replica holds at once: one decodes, the rest wait for it "
+        "(the replica's queue); the ingress admits this many per replica (autoscaling: per max_replicas)",
     )
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
     max_queued_requests: int = Field(
         default=16,
-        ge=1,
-        description="Serve's bound on requests waiting for a replica slot (in the ingress for a decoder, "
-        "at the proxy for the ingress); overflow gets 503 + Retry-After",
+        ge=0,
+        description="completions waiting in the ingress for a decoder slot when every replica's "
+        "max_ongoing_requests are taken; the next is shed with 503 + Retry-After",
     )
     control_slots: int = Field(
         default=16,
         ge=1,
-        description="Serve slots per replica beyond max_ongoing_requests, so /health, "
-        "/v1/models and shedding (with an OpenAI error body) never wait behind completions",
+        description="Serve slots beyond the completions, on each decoder replica and on the ingress, so "
+        "/health, /v1/models, /stats and shedding (with an OpenAI error body) never wait behind completions",
     )
     retry_after_s: float = Field(default=1.0, gt=0, description="the Retry-After sent with a shed request")
     shed_status: Literal[503, 429] = Field(default=503, description="the HTTP status of a shed request")

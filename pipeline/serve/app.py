@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
 from pipeline.config import RunConfig, config_from_dict, load_config
-from pipeline.serve.decoder import SpeculativeDecoder
-from pipeline.serve.ingress import Ingress
+from pipeline.serve.decoder import SpeculativeDecoder, served_model_name
+from pipeline.serve.ingress import EdgeConfig, Ingress
 
 APP_NAME = "griffin"
 
@@ -71,22 +71,32 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     scaling = (
         {"autoscaling_config": section.autoscaling} if section.autoscaling else {"num_replicas": section.num_replicas}
     )
-    slots = section.max_ongoing_requests + section.control_slots
+    most_replicas = (section.autoscaling or {}).get("max_replicas", section.num_replicas)
+    slots = section.max_ongoing_requests * most_replicas  # completions at the decoders at once
     decoder = SpeculativeDecoder.options(
-        # completions are admitted by the replica itself (its queue): the extra slots keep /health & co.
-        # from ever queueing behind them; Serve's queue in front (in the ingress) is bounded too
-        max_ongoing_requests=slots,
-        max_queued_requests=section.max_queued_requests,
+        # the ingress admits completions and Serve routes them (no queue bound here: the ingress's is
+        # exact); room for all of them on one replica plus the control slots, so /health & co. never
+        # wait behind completions however Serve spreads them
+        max_ongoing_requests=slots + section.control_slots,
+        max_queued_requests=-1,
         ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus},
         **scaling,
     ).bind(_portable(cfg))
-    most_replicas = (section.autoscaling or {}).get("max_replicas", section.num_replicas)
+    edge = EdgeConfig(
+        model_id=served_model_name(cfg),
+        slots=slots,
+        queue=section.max_queued_requests,
+        max_body_bytes=section.max_body_bytes,
+        retry_after_s=section.retry_after_s,
+        shed_status=section.shed_status,
+    )
     return Ingress.options(
-        # it only relays: room for every slot of every decoder replica, so requests wait (and are shed)
-        # at the decoders, which answer with an OpenAI error body; no CPU claimed, so it never takes a
-        # core from a decode and fits on a head node started with num-cpus 0
-        max_ongoing_requests=slots * most_replicas,
-        max_queued_requests=section.max_queued_requests,
-        backpressure_config={"status_code": section.shed_status, "retry_after_s": section.retry_after_s},
+        # one replica, so its admission count is exact. Room for every admitted completion plus the
+        # control slots (/health & co. and refusals, which answer at once): nothing waits in Serve's
+        # queue at the proxy, so nothing is refused there (its bound misjudges bursts); no CPU claimed,
+        # so it never takes a core from a decode and fits on a head node started with num-cpus 0
+        num_replicas=1,
+        max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
+        max_queued_requests=-1,
         ray_actor_options={"num_cpus": 0},
-    ).bind(decoder, section.max_body_bytes, section.retry_after_s, section.shed_status)
+    ).bind(decoder, edge)

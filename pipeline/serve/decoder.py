@@ -12,9 +12,10 @@ comparisons through the endpoint. Bad input -> a 4xx ``Reply`` naming the field,
 replica keeps serving. docs/serving.md is the user's guide (bad-input table, config knobs, metrics).
 
 Decoding is batch 1: a replica decodes one request at a time under a lock, in a worker thread, so the
-event loop stays free for ``health`` and queued requests; scale with replicas or autoscaling. A replica
-admits ``serve.max_ongoing_requests`` completions (one decoding, the rest queued on the lock) and sheds
-the next with 503/429 + Retry-After before parsing it; parsing and tokenization run in worker threads.
+event loop stays free for ``health`` and queued requests; scale with replicas or autoscaling. Admission
+is the ingress's (``relay.Admission``): it sends a replica ``serve.max_ongoing_requests`` completions
+(one decoding, the rest queued on the lock, first come first served) and sheds the rest; parsing and
+tokenization run in worker threads.
 Streams are live: the decode's per-round ``on_tokens`` callback detokenizes in the worker and hands text
 deltas to the event loop, which yields each as a chunk at once. A stop sequence, or the ingress
 cancelling the call (its client went away, Serve's request timeout) ends the decode at its next round;
@@ -45,7 +46,7 @@ from pipeline.serve.engine import (
     last_item,
     stream_rounds,
 )
-from pipeline.serve.ingress import Reply, overloaded
+from pipeline.serve.errors import Reply, internal_error
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import (
     ApiError,
@@ -73,10 +74,9 @@ def served_model_name(cfg: RunConfig) -> str:
 class SpeculativeDecoder:
     """One replica: the target and (when ``serve.draft_uri`` is set) a draft, one decode at a time.
 
-    Admission: at most ``serve.max_ongoing_requests`` completions at once (one decoding, the rest
-    queued on the decode lock, first come first served); one more is shed at once with 503/429 +
-    Retry-After, before it is parsed. Serve gives the replica ``control_slots`` more slots, so
-    ``health``, ``models``, ``stats`` and those rejections never queue behind completions."""
+    The ingress sends it ``serve.max_ongoing_requests`` completions at once (one decoding, the rest
+    queued on the decode lock, first come first served). Serve gives the replica ``control_slots`` more
+    slots, so ``health``, ``models`` and ``stats`` never queue behind completions."""
 
     def __init__(self, run_config: dict[str, Any]):
         from pipeline.resources.drafts import load_draft_uri
@@ -90,7 +90,7 @@ class SpeculativeDecoder:
         self.default_max_tokens = cfg.serve.default_max_tokens
         self.limits = cfg.serve
         self.decode_lock = asyncio.Lock()  # the model and its caches serve one decode at a time
-        self.admitted, self.shed = 0, 0
+        self.admitted = 0  # completions here: one decoding, the rest waiting for the lock
         self.active: DecodeTrace | None = None  # the decode holding the lock
         self.recent: collections.deque[DecodeTrace] = collections.deque(maxlen=64)
         self.created = int(time.time())
@@ -127,7 +127,6 @@ class SpeculativeDecoder:
             "admitted": self.admitted,
             "running": int(self.active is not None),
             "waiting": self._waiting(),
-            "shed": self.shed,
             "max_ongoing_requests": self.limits.max_ongoing_requests,
             "metrics_exported": self.metrics is not None,
             "recent": [trace.summary() for trace in list(self.recent)],
@@ -152,14 +151,11 @@ class SpeculativeDecoder:
 
     # ---- completions ----
     async def complete(self, raw: bytes, chat: bool) -> AsyncIterator[Reply | str]:
-        """One completion from its raw body (the ingress read it, within serve.max_body_bytes): admit
-        (or shed), parse off the event loop, decode; yields the ``Reply``, then a stream's events. The
-        admission slot is released when the generator ends, however it ends (the ingress cancels it
-        when its client goes away)."""
+        """One completion from its raw body (the ingress admitted it and read it, within
+        serve.max_body_bytes): parse off the event loop, decode; yields the ``Reply``, then a stream's
+        events. The count of completions here drops when the generator ends, however it ends (the
+        ingress cancels it when its client goes away)."""
         arrived = time.monotonic()
-        if self.admitted >= self.limits.max_ongoing_requests:
-            yield self._shed_reply()
-            return
         self._admit(+1)
         job: Job | None = None
         streaming = False
@@ -176,11 +172,10 @@ class SpeculativeDecoder:
                     yield event
         except ApiError as error:  # raised before a stream starts: sse_stream reports decode errors in-band
             yield Reply.of(error)
-        except Exception as error:  # a bug, not the client's fault: say so and keep serving
+        except Exception:  # a bug, not the client's fault: say so (not what it was) and keep serving
             if streaming:
                 raise  # the 200 is out: the ingress ends the stream with an error chunk
-            logger.exception("generation failed")
-            yield Reply.of(ApiError(f"internal error: {error}", status=500, kind="server_error"))
+            yield Reply.of(internal_error(logger, "generation failed"))
         finally:
             self._leave(job)
 
@@ -202,14 +197,6 @@ class SpeculativeDecoder:
     def _gauges(self) -> None:
         if self.metrics is not None:
             self.metrics.queue(self._waiting(), int(self.active is not None))
-
-    def _shed_reply(self) -> Reply:
-        """The replica's queue is full: refuse at once, with when to retry."""
-        self.shed += 1
-        if self.metrics is not None:
-            self.metrics.shed.inc()
-        detail = f"{self.admitted} requests in progress on this replica"
-        return Reply.of(overloaded(detail, self.limits.shed_status, self.limits.retry_after_s))
 
     def _job(self, raw: bytes, schema: type[SamplingRequest], arrived: float) -> "Job":
         """Everything a decode and its answer need, from the raw body (blocking: a worker thread)."""

@@ -3,14 +3,19 @@
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream: true`` = server-sent events in
 OpenAI's chunk format, ending with ``data: [DONE]``), GET /v1/models, GET /health, GET /stats.
 
-The ingress reads a completion's body (413 beyond ``serve.max_body_bytes``, before buffering it) and
-hands it to a decoder replica through a streaming ``DeploymentHandle``; the decoder admits or sheds it,
-validates it (the one place that does) and answers with a ``Reply``: a whole JSON answer (errors
-included), or a stream whose events the ingress relays as they come. It lives apart from the decoder so
-that a decoder replica that dies (process killed, node preempted) leaves someone to tell its clients: a
-stream ends with an error chunk (``type: server_error``, ``code: replica_unavailable``, ``status: 503``)
-and ``[DONE]``; a request not yet answered gets 503 with ``Retry-After``. Either way the client knows to
-retry; Serve starts a replacement replica.
+Admission is here, exact (``relay.Admission``): the application takes ``serve.max_ongoing_requests``
+completions per decoder replica, and up to ``serve.max_queued_requests`` more wait here for one of
+them; the next is refused at once, before its body is read, with 503 (or ``serve.shed_status``), an
+OpenAI error body and ``Retry-After``. Serve routes each admitted completion to a decoder replica with
+room, so no request is refused while a replica has some. The ingress reads the body (413 beyond
+``serve.max_body_bytes``, before buffering it) and hands it to a decoder replica through a streaming
+``DeploymentHandle``; the decoder validates it (the one place that does) and answers with a ``Reply``: a
+whole JSON answer (errors included), or a stream whose events the ingress relays as they come.
+
+It lives apart from the decoder so that a decoder replica that dies (process killed, node preempted)
+leaves someone to tell its clients: a stream ends with an error chunk (``type: server_error``, ``code:
+replica_unavailable``, ``status: 503``) and ``[DONE]``; a request not yet answered gets 503 with
+``Retry-After``. Either way the client knows to retry; Serve starts a replacement replica.
 
 A client that goes away (streaming or not: a non-streaming request polls its connection every
 ``DISCONNECT_POLL_S``) or Serve's request timeout cancels the call, which stops the decode at its next
@@ -19,160 +24,61 @@ round. /health, /v1/models and /stats ask a decoder replica, on the slots Serve 
 
 import asyncio
 import logging
-import math
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
 
+from pipeline.serve.errors import internal_error, overloaded, replica_lost, retry_after
 from pipeline.serve.protocol import ApiError, read_body
-from pipeline.serve.sse import sse_error
+from pipeline.serve.relay import REPLICA_LOST, Admission, Call, ClientGone, until_done
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="GRIFFIN speculative decoding")
 
-DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 CONTROL_TIMEOUT_S = 5.0  # /health & co.: a decoder that cannot answer a cheap call this soon is unavailable
-# a call's decoder replica is gone (its actor, worker process or node died) or there is none to call
-REPLICA_LOST = (
-    RayActorError,  # ActorDiedError, ActorUnavailableError
-    WorkerCrashedError,
-    NodeDiedError,
-    ObjectLostError,
-    ReplicaUnavailableError,
-    DeploymentUnavailableError,
-)
 
 
-@dataclass
-class Reply:
-    """The decoder's answer to a call: a whole HTTP answer (``status``, JSON ``body``, ``headers``), or
-    ``stream=True``: a 200 whose server-sent events the decoder yields next."""
+@dataclass(frozen=True)
+class EdgeConfig:
+    """What the ingress needs of the run config (``app.app_builder`` fills it)."""
 
-    status: int
-    body: Any = None
-    headers: dict[str, str] | None = None
-    stream: bool = False
-
-    @classmethod
-    def of(cls, error: ApiError) -> "Reply":
-        return cls(error.status, error.body(), error.headers)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+    model_id: str
+    slots: int  # completions at the decoders at once: max_ongoing_requests x decoder replicas
+    queue: int  # serve.max_queued_requests: completions waiting here for one of those slots
+    max_body_bytes: int
+    retry_after_s: float
+    shed_status: int
 
 
-def retry_after(seconds: float) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}
-
-
-def overloaded(detail: str, status: int, retry_after_s: float) -> ApiError:
-    """No room for a completion now (a decoder replica's queue, or Serve's queue in front of the
-    decoders): 503 (or 429) with when to retry."""
-    headers = retry_after(retry_after_s)
-    return ApiError(
-        f"the server is at capacity ({detail}); retry after {headers['Retry-After']}s",
-        status=status,
-        kind="server_error",
-        code="server_overloaded",
-        headers=headers,
-    )
-
-
-def replica_lost(error: BaseException, retry_after_s: float) -> ApiError:
-    """The decoder replica serving a request died before answering it all: 503, retry."""
-    return ApiError(
-        f"the decoder replica serving this request was lost ({type(error).__name__}) before the answer was "
-        "complete; retry the request",
-        status=503,
-        kind="server_error",
-        code="replica_unavailable",
-        headers=retry_after(retry_after_s),
-    )
-
-
-class ClientGone(Exception):
-    """The client of a non-streaming request disconnected before its answer was ready."""
-
-
-async def until_done(work: Awaitable[Any], request: Request, poll_s: float = DISCONNECT_POLL_S) -> Any:
-    """``work``'s result, watching the client meanwhile: when it disconnects (or this coroutine is
-    cancelled: Serve cancels a request whose client left or that timed out), ``work`` is cancelled and
-    the caller cancels the decoder call."""
-    consumer = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({consumer}, timeout=poll_s)
-            if done:
-                return consumer.result()
-            if await _disconnected(request):
-                raise ClientGone
-    finally:
-        consumer.cancel()  # a no-op once it is done
-
-
-async def _disconnected(request: Request) -> bool:
-    try:
-        return await request.is_disconnected()
-    except Exception:  # a receive channel that failed: Serve's own cancellation still applies
-        return False
-
-
-class Call:
-    """One completion's streaming call to the decoder. ``cancel`` reaches the decoder's generator (its
-    decode stops at the next round; a queued one never starts): every way a request ends before the
-    decoder is done calls it."""
-
-    def __init__(self, response: DeploymentResponseGenerator, lost: Callable[[BaseException], ApiError]):
-        self.response, self.lost, self.over = response, lost, False
-
-    async def first(self) -> Reply:
-        reply = await anext(self.response)
-        self.over = not reply.stream  # a whole answer is the decoder's last item
-        return reply
-
-    def cancel(self) -> None:
-        if not self.over:
-            self.over = True
-            self.response.cancel()
-
-    async def events(self) -> AsyncIterator[str]:
-        """The rest of a stream, relayed as the decoder yields it. A stream the decoder cannot finish
-        (its replica lost, a bug) ends with an error chunk and [DONE], never by just stopping."""
-        try:
-            async for event in self.response:
-                yield event
-            self.over = True
-        except REPLICA_LOST as error:
-            self.over = True
-            yield sse_error(self.lost(error))
-        except Exception as error:  # a decoder bug after the 200: report in-band
-            self.over = True
-            logger.exception("the decoder failed mid-stream")
-            yield sse_error(ApiError(f"internal error: {error}", status=500, kind="server_error"))
-        finally:
-            self.cancel()  # the client left or the request timed out: stop the decode
-
-
-def _lost_counter() -> Any:
+def _counters(model_id: str) -> dict[str, Any]:
     """Defined before ``Ingress``: ``serve.ingress`` serializes the class as it is decorated."""
     try:
         from ray.serve import metrics
 
-        return metrics.Counter(
-            "griffin_num_requests_replica_lost",
-            "Requests whose decoder replica died before answering them (503 or an in-stream error chunk).",
-        )
+        counters = {
+            "lost": metrics.Counter(
+                "griffin_num_requests_replica_lost",
+                "Requests whose decoder replica died before answering them (503 or an in-stream error chunk).",
+                ("model",),
+            ),
+            "shed": metrics.Counter(
+                "griffin_num_requests_shed",
+                "Completions refused with 503/429 because every decoder slot and the ingress queue were taken.",
+                ("model",),
+            ),
+        }
+        for counter in counters.values():
+            counter.set_default_tags({"model": model_id})
+        return counters
     except Exception:  # metrics are an aid: never a reason not to serve
         logger.exception("Ray metrics unavailable; serving without them")
-        return None
+        return {}
 
 
 @serve.deployment
@@ -180,10 +86,10 @@ def _lost_counter() -> Any:
 class Ingress:
     """The HTTP edge of the application; ``decoder`` is the ``SpeculativeDecoder`` deployment's handle."""
 
-    def __init__(self, decoder: DeploymentHandle, max_body_bytes: int, retry_after_s: float, shed_status: int):
-        self.decoder, self.streaming = decoder, decoder.options(stream=True)
-        self.max_body_bytes, self.retry_after_s, self.shed_status = max_body_bytes, retry_after_s, shed_status
-        self.lost_counter = _lost_counter()
+    def __init__(self, decoder: DeploymentHandle, edge: EdgeConfig):
+        self.decoder, self.streaming, self.edge = decoder, decoder.options(stream=True), edge
+        self.admission = Admission(edge.slots, edge.queue)
+        self.counters = _counters(edge.model_id)
 
     @api.get("/health")
     async def health(self):
@@ -196,16 +102,17 @@ class Ingress:
 
     @api.get("/stats")
     async def stats(self):
-        """A decoder replica's counters and recent requests."""
-        return await self._control(self.decoder.stats)
+        """A decoder replica's counters and recent requests, with the application's admission (here)."""
+        try:
+            decoder = await self._ask(self.decoder.stats)
+        except ApiError as error:
+            return error.response()
+        return {**decoder, "shed": self.admission.shed, "ingress": self.admission.counters()}
 
     @api.get("/v1/models")
     async def models(self):
-        return await self._control(self.decoder.models)
-
-    async def _control(self, method: Any) -> Any:
         try:
-            return await self._ask(method)
+            return await self._ask(self.decoder.models)
         except ApiError as error:
             return error.response()
 
@@ -221,7 +128,7 @@ class Ingress:
                 status=503,
                 kind="server_error",
                 code="replica_unavailable",
-                headers=retry_after(self.retry_after_s),
+                headers=retry_after(self.edge.retry_after_s),
             ) from None
         except REPLICA_LOST as error:
             raise self._lost(error) from None
@@ -235,40 +142,57 @@ class Ingress:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool):
-        """Read the body, call the decoder, answer with its reply or relay its stream. A decoder that
-        cannot take the request (Serve's queue in front of it full) or dies before answering gets 503
-        (or ``serve.shed_status``) + Retry-After."""
+        """Admit (or shed, before reading the body), read the body, wait for a decoder slot, call the
+        decoder, answer with its reply or relay its stream. A decoder replica that dies before answering
+        gets the client a 503 + Retry-After."""
+        if self.admission.full():
+            return self._shed()
+        ticket = self.admission.enter()
         call: Call | None = None
+        streaming = False
         try:
-            raw = await read_body(request, self.max_body_bytes)
-            call = Call(self.streaming.complete.remote(raw, chat), self._lost)
+            raw = await read_body(request, self.edge.max_body_bytes)
+            await until_done(ticket.wait(), request)  # a decoder slot, first come first served
+            call = Call(self.streaming.complete.remote(raw, chat), ticket, self._lost, self._failed)
             reply = await until_done(call.first(), request)
             if not reply.stream:
                 return reply.response()
             response = StreamingResponse(call.events(), media_type="text/event-stream")
-            weakref.finalize(response, call.cancel)  # a stream that never started still stops its decode
-            call = None
+            weakref.finalize(response, call.end)  # a stream that never started still stops its decode
+            streaming = True
             return response
         except ApiError as error:
             return error.response()
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
-        except BackPressureError:
-            return overloaded(
-                "the queue for a decoder replica is full", self.shed_status, self.retry_after_s
-            ).response()
+        except BackPressureError:  # not expected: the decoders' Serve queue is unbounded, admission is here
+            return overloaded("no decoder replica has room", self.edge.shed_status, self.edge.retry_after_s).response()
         except REPLICA_LOST as error:
             return self._lost(error).response()
-        except Exception as error:  # a bug, not the client's fault: say so and keep serving
-            logger.exception("the decoder call failed")
-            return ApiError(f"internal error: {error}", status=500, kind="server_error").response()
+        except Exception:  # a bug, not the client's fault: say so (not what it was) and keep serving
+            return self._failed("the decoder call failed").response()
         finally:
-            if call is not None:
-                call.cancel()
+            if streaming:
+                pass  # the stream's end frees the ticket
+            elif call is not None:
+                call.end()
+            else:
+                ticket.release()
+
+    def _failed(self, what: str) -> ApiError:
+        return internal_error(logger, what)
+
+    def _shed(self) -> Response:
+        """Every decoder slot and the queue here are taken: refuse at once, with when to retry."""
+        self.admission.shed += 1
+        if "shed" in self.counters:
+            self.counters["shed"].inc()
+        detail = f"{self.admission.admitted} requests in progress or queued"
+        return overloaded(detail, self.edge.shed_status, self.edge.retry_after_s).response()
 
     def _lost(self, error: BaseException) -> ApiError:
         """A decoder replica died under a request: logged, counted, answered 503 + Retry-After."""
         logger.warning("a decoder replica was lost under a request: %r", error)
-        if self.lost_counter is not None:
-            self.lost_counter.inc()
-        return replica_lost(error, self.retry_after_s)
+        if "lost" in self.counters:
+            self.counters["lost"].inc()
+        return replica_lost(error, self.edge.retry_after_s)

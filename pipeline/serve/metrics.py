@@ -63,9 +63,6 @@ class ServeMetrics:
             "griffin_num_requests_waiting", "Admitted completions waiting for the decode (the replica's queue).", tags
         )
         self.running = metrics.Gauge("griffin_num_requests_running", "Completions decoding.", tags)
-        self.shed = metrics.Counter(
-            "griffin_num_requests_shed", "Completions refused with 503/429 because the replica's queue was full.", tags
-        )
         for metric in (
             self.drafts,
             self.draft_tokens,
@@ -76,7 +73,6 @@ class ServeMetrics:
             self.rate,
             self.waiting,
             self.running,
-            self.shed,
         ):
             metric.set_default_tags({"model": model})
 
