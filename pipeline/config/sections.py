@@ -189,7 +189,11 @@ class RegistrySection(Section):
 
 
 class ServeSection(Section):
-    host: str = "127.0.0.1"
+    host: str = Field(
+        default="127.0.0.1",
+        description="the HTTP bind address; one reachable from other machines needs an API key "
+        "(api_key_env) unless allow_unauthenticated",
+    )
     port: int = Field(default=8000, ge=1, le=65535)
     draft_uri: str | None = Field(default=None, description="models:/<name>@champion, a run URI or a directory")
     model_name: str | None = Field(default=None, description="the name clients pass as 'model'")
@@ -230,6 +234,17 @@ class ServeSection(Section):
         default=1 << 20,
         ge=1024,
         description="larger request bodies get 413 (from Content-Length, or while reading, before buffering them)",
+    )
+    api_key_env: str = Field(
+        default="GRIFFIN_API_KEY",
+        min_length=1,
+        description="the environment variable holding the API key: when set (non-empty), every route but "
+        "/health needs 'Authorization: Bearer <key>'; read where the application is built",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="serve a host reachable from other machines without an API key (only behind a proxy "
+        "that authenticates); without it such a host and no key refuse to start",
     )
     stall_timeout_s: float = Field(
         default=600.0,

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
 from pipeline.config import RunConfig, config_from_dict, load_config
+from pipeline.serve.auth import require_key
 from pipeline.serve.decoder import SpeculativeDecoder, served_model_name
 from pipeline.serve.ingress import EdgeConfig, Ingress
 
@@ -89,6 +90,7 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         max_body_bytes=section.max_body_bytes,
         retry_after_s=section.retry_after_s,
         shed_status=section.shed_status,
+        key_digest=require_key(section),  # refuses a host reachable from outside without a key
     )
     return Ingress.options(
         # one replica, so its admission count is exact. Room for every admitted completion plus the

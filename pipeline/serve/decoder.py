@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +69,18 @@ logger = logging.getLogger("ray.serve")
 
 def served_model_name(cfg: RunConfig) -> str:
     return cfg.serve.model_name or cfg.target_slug
+
+
+def public_name(source: str | None) -> str | None:
+    """How /v1/models names a model: a URI (``models:/NAME/VERSION``, ``runs:/ID/draft``) or a hub id as
+    it is; a local directory by its last two parts (``.../drafts/smollm2-135m-instruct/griffin`` ->
+    ``smollm2-135m-instruct/griffin``), never a path of the serving machine."""
+    if source is None or ":/" in source:
+        return source
+    path = Path(source).expanduser()
+    if not (path.is_absolute() or source.startswith(".") or path.exists()):
+        return source  # a hub id (org/name)
+    return "/".join([part for part in path.parts if part != path.anchor][-2:])
 
 
 @serve.deployment
@@ -139,8 +152,8 @@ class SpeculativeDecoder:
             "object": "model",
             "created": self.created,
             "owned_by": "griffin",
-            "target": self.target.name,
-            "draft": self.draft_uri,
+            "target": public_name(self.target.name),
+            "draft": public_name(self.draft_uri),
             "speculative": self.draft is not None,
             "decoding": "griffin speculative" if self.draft is not None else "vanilla (no draft configured)",
             "tree": self.tree.model_dump(),

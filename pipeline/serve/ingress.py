@@ -34,12 +34,14 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from pipeline.serve.auth import KeyCheck
 from pipeline.serve.errors import internal_error, overloaded, replica_lost, retry_after
 from pipeline.serve.protocol import ApiError, read_body
 from pipeline.serve.relay import REPLICA_LOST, Admission, Call, ClientGone, until_done
 
 logger = logging.getLogger("ray.serve")
-api = FastAPI(title="GRIFFIN speculative decoding")
+# no /docs, /redoc or /openapi.json: the API is OpenAI's, and every route but /health sits behind the key
+api = FastAPI(title="GRIFFIN speculative decoding", docs_url=None, redoc_url=None, openapi_url=None)
 
 CONTROL_TIMEOUT_S = 5.0  # /health & co.: a decoder that cannot answer a cheap call this soon is unavailable
 
@@ -54,6 +56,7 @@ class EdgeConfig:
     max_body_bytes: int
     retry_after_s: float
     shed_status: int
+    key_digest: str | None = None  # SHA-256 of the API key (auth.require_key); None: no key asked for
 
 
 def _counters(model_id: str) -> dict[str, Any]:
@@ -89,6 +92,7 @@ class Ingress:
     def __init__(self, decoder: DeploymentHandle, edge: EdgeConfig):
         self.decoder, self.streaming, self.edge = decoder, decoder.options(stream=True), edge
         self.admission = Admission(edge.slots, edge.queue)
+        self.keys = KeyCheck(edge.key_digest)
         self.counters = _counters(edge.model_id)
 
     @api.get("/health")
@@ -101,8 +105,10 @@ class Ingress:
             return JSONResponse({"status": "unavailable", "detail": str(error)}, 503, headers=error.headers)
 
     @api.get("/stats")
-    async def stats(self):
+    async def stats(self, request: Request):
         """A decoder replica's counters and recent requests, with the application's admission (here)."""
+        if (denied := self.keys.denied(request)) is not None:
+            return denied
         try:
             decoder = await self._ask(self.decoder.stats)
         except ApiError as error:
@@ -110,7 +116,9 @@ class Ingress:
         return {**decoder, "shed": self.admission.shed, "ingress": self.admission.counters()}
 
     @api.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        if (denied := self.keys.denied(request)) is not None:
+            return denied
         try:
             return await self._ask(self.decoder.models)
         except ApiError as error:
@@ -144,7 +152,9 @@ class Ingress:
     async def _complete(self, request: Request, chat: bool):
         """Admit (or shed, before reading the body), read the body, wait for a decoder slot, call the
         decoder, answer with its reply or relay its stream. A decoder replica that dies before answering
-        gets the client a 503 + Retry-After."""
+        gets the client a 503 + Retry-After. Without the API key (when one is set): 401, before anything."""
+        if (denied := self.keys.denied(request)) is not None:
+            return denied
         if self.admission.full():
             return self._shed()
         ticket = self.admission.enter()

@@ -210,7 +210,7 @@ def chat(server, content, **params):
 def test_models_and_health(server):
     models = server.client.get("/v1/models").json()["data"]
     assert models[0]["id"] == "tiny-llama" and models[0]["speculative"] is True
-    assert models[0]["draft"] == str(server.draft_dir)
+    assert models[0]["draft"] == "/".join(server.draft_dir.parts[-2:])  # a name, not the machine's path
     assert models[0]["torch_threads"] == 1  # Ray's OMP_NUM_THREADS for a replica of serve.num_cpus 1
     assert server.client.get("/health").json()["status"] == "ok"
 

@@ -1,0 +1,149 @@
+"""The ingress's own rules: API keys and the bind address, the names /v1/models shows, the admission
+count, and a refused call that ends cleanly. The key tests run a deployment with a key set (tiny target,
+random draft, the suite's local Ray); the rest need no server."""
+
+import asyncio
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.requests import Request
+
+from tests.conftest import tiny_deployment
+
+from pipeline.config import load_config
+from pipeline.serve.auth import KeyCheck, client_headers, key_digest, require_key
+from pipeline.serve.decoder import public_name
+from pipeline.serve.relay import Admission, Call
+
+TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
+KEY = "sk-test-0123456789abcdef"
+CHAT = "/v1/chat/completions"
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+
+# ---- no server ----
+def serve_section(*overrides: str):
+    return load_config(TINY, list(overrides)).serve
+
+
+def test_a_host_reachable_from_outside_needs_a_key(monkeypatch):
+    """0.0.0.0 without a key refuses to start, naming both ways out; a key, allow_unauthenticated or a
+    loopback host lets it start."""
+    monkeypatch.delenv("GRIFFIN_API_KEY", raising=False)
+    for host in ("0.0.0.0", "'::'", "10.1.2.3", "serve.example.com"):  # quoted: YAML reads :: as a map
+        with pytest.raises(ValueError, match="GRIFFIN_API_KEY") as refused:
+            require_key(serve_section(f"serve.host={host}"))
+        assert "serve.allow_unauthenticated" in str(refused.value)
+    assert require_key(serve_section("serve.host=0.0.0.0", "serve.allow_unauthenticated=true")) is None
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert require_key(serve_section(f"serve.host={host}")) is None
+    monkeypatch.setenv("GRIFFIN_API_KEY", KEY)
+    assert require_key(serve_section("serve.host=0.0.0.0")) == key_digest(KEY)
+    monkeypatch.setenv("OTHER_KEY", "sk-other")  # serve.api_key_env names another variable
+    assert require_key(serve_section("serve.host=0.0.0.0", "serve.api_key_env=OTHER_KEY")) == key_digest("sk-other")
+
+
+def test_start_serve_refuses_before_starting_anything(monkeypatch, tmp_path):
+    from pipeline.serve import lifecycle
+
+    monkeypatch.delenv("GRIFFIN_API_KEY", raising=False)
+    monkeypatch.setattr("pipeline.runtime.ensure_ray", lambda cfg: pytest.fail("Ray was started"))
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "serve.host=0.0.0.0"])
+    with pytest.raises(ValueError, match="no API key is set"):
+        lifecycle.start_serve(cfg)
+
+
+def test_the_key_is_checked_as_a_bearer_token():
+    def request(header: str | None):
+        headers = [] if header is None else [(b"authorization", header.encode())]
+        return Request({"type": "http", "headers": headers})
+
+    check = KeyCheck(key_digest(KEY))
+    assert check.denied(request(f"Bearer {KEY}")) is None and check.denied(request(f"bearer  {KEY} ")) is None
+    for header in (None, KEY, "Bearer", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer sk-wrong"):
+        denied = check.denied(request(header))
+        assert denied is not None and denied.status_code == 401, header
+        assert denied.headers["www-authenticate"] == "Bearer"
+    assert KeyCheck(None).denied(request(None)) is None  # no key configured: open
+
+
+def test_models_card_names_are_never_machine_paths(tmp_path):
+    draft = tmp_path / "drafts" / "smollm2-135m-instruct" / "griffin"
+    draft.mkdir(parents=True)
+    assert public_name(str(draft)) == "smollm2-135m-instruct/griffin"
+    assert public_name("models:/llama3-griffin/7") == "models:/llama3-griffin/7"
+    assert public_name("runs:/0a1b2c/draft") == "runs:/0a1b2c/draft"
+    assert public_name("meta-llama/Meta-Llama-3-8B-Instruct") == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert public_name("/gone/elsewhere/draft") == "elsewhere/draft" and public_name(None) is None
+
+
+def test_admission_counts_exactly_and_a_refused_call_ends_cleanly():
+    """slots go out at once, queue more wait first come first served, the next is full; a call whose
+    cancel re-raises its own error (Serve's DeploymentResponse.cancel() does, for a refused call) still
+    frees its ticket and raises nothing."""
+
+    class Refused:
+        def cancel(self):
+            raise RuntimeError("the call's own error, raised again")
+
+    async def scenario():
+        admission = Admission(slots=2, queue=1)
+        tickets = [admission.enter() for _ in range(3)]
+        assert admission.full()
+        await tickets[0].wait(), await tickets[1].wait()
+        third = asyncio.ensure_future(tickets[2].wait())
+        await asyncio.sleep(0.01)
+        assert not third.done() and admission.waiting == 1
+        Call(Refused(), tickets[0], None, None).end()  # raises nothing
+        await asyncio.wait_for(third, 1)  # the freed slot went to the one waiting
+        assert (admission.admitted, admission.waiting, admission.full()) == (2, 0, False)
+        tickets[0].release()  # a second release is a no-op
+        for ticket in tickets[1:]:
+            ticket.release()
+        assert admission.admitted == admission.sent == 0
+
+    asyncio.run(scenario())
+
+
+# ---- a deployment with a key ----
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, ray_local):
+    before = os.environ.get("GRIFFIN_API_KEY")
+    os.environ["GRIFFIN_API_KEY"] = KEY  # read where the application is built: here, in start_serve
+    try:
+        with tiny_deployment(tmp_path_factory.mktemp("keyed")) as deployment:
+            yield deployment
+    finally:
+        if before is None:
+            os.environ.pop("GRIFFIN_API_KEY", None)
+        else:
+            os.environ["GRIFFIN_API_KEY"] = before
+
+
+def test_every_route_but_health_needs_the_key(keyed):
+    routes = [("GET", "/v1/models", None), ("GET", "/stats", None), ("POST", CHAT, GOOD)]
+    routes.append(("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4}))
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            response = httpx.request(method, f"{keyed.url}{path}", json=body, headers=headers, timeout=60)
+            assert response.status_code == 401, (path, headers, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+            assert KEY not in response.text
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{keyed.url}{CHAT}", json=GOOD, headers=ok, timeout=60).status_code == 200
+    assert httpx.get(f"{keyed.url}/v1/models", headers=ok, timeout=60).status_code == 200
+    assert httpx.get(f"{keyed.url}/health", timeout=60).json()["status"] == "ok"  # open: load balancers
+    assert client_headers(keyed.cfg.serve) == ok  # what the evaluation through Serve sends
+    assert httpx.get(f"{keyed.url}/docs", headers=ok, timeout=60).status_code == 404  # no schema pages
+
+
+def test_models_card_shows_names_not_paths(keyed):
+    card = httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    (model,) = card["data"]
+    assert model["draft"] == "keyed0/draft" and model["target"] == "tiny-llama"
+    text = str(card)
+    assert str(keyed.draft_dir) not in text and not re.search(r"'/[^']", text), card  # no absolute path anywhere
