@@ -246,6 +246,13 @@ class ServeSection(Section):
         description="serve a host reachable from other machines without an API key (only behind a proxy "
         "that authenticates); without it such a host and no key refuse to start",
     )
+    graceful_shutdown_timeout_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="on a redeploy or scale-down, how long a replica that is going away keeps serving its "
+        "running requests (Serve sends it no new ones); streams still running then end with an error chunk "
+        "and [DONE]",
+    )
     stall_timeout_s: float = Field(
         default=600.0,
         gt=0,

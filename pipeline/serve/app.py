@@ -80,6 +80,7 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         # wait behind completions however Serve spreads them
         max_ongoing_requests=slots + section.control_slots,
         max_queued_requests=-1,
+        graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s,  # a going replica finishes its decodes
         ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus},
         **scaling,
     ).bind(_portable(cfg))
@@ -100,5 +101,6 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         num_replicas=1,
         max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
         max_queued_requests=-1,
+        graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s,  # ... and relays their streams
         ray_actor_options={"num_cpus": 0},
     ).bind(decoder, edge)

@@ -56,6 +56,31 @@ def test_start_serve_refuses_before_starting_anything(monkeypatch, tmp_path):
         lifecycle.start_serve(cfg)
 
 
+def test_the_app_admits_in_the_ingress_and_gives_replicas_a_grace_period(monkeypatch, tmp_path):
+    """Completions: max_ongoing_requests per decoder replica (autoscaling: per max_replicas) plus the
+    ingress queue, counted in one ingress replica; Serve's own queues unbounded (they would refuse a
+    burst while a replica has room). Both deployments drain for serve.graceful_shutdown_timeout_s. The
+    ingress is handed the key's digest, never the key."""
+    from pipeline.serve.app import app_builder
+
+    monkeypatch.setenv("GRIFFIN_API_KEY", KEY)
+    overrides = [
+        f"output_dir={tmp_path}",
+        "serve.max_ongoing_requests=2",
+        "serve.max_queued_requests=5",
+        "serve.autoscaling={min_replicas: 1, max_replicas: 3}",
+        "serve.graceful_shutdown_timeout_s=42",
+    ]
+    ingress = app_builder({"config": str(TINY), "overrides": overrides})._bound_deployment
+    decoder_app, edge = ingress.init_args
+    decoder = decoder_app._bound_deployment
+    assert (edge.slots, edge.queue, edge.key_digest) == (6, 5, key_digest(KEY)) and KEY not in repr(ingress.init_args)
+    assert (ingress.num_replicas, ingress.max_ongoing_requests, ingress.max_queued_requests) == (1, 6 + 5 + 16, -1)
+    assert (decoder.max_ongoing_requests, decoder.max_queued_requests) == (6 + 16, -1)
+    for deployment in (ingress, decoder):
+        assert deployment._deployment_config.graceful_shutdown_timeout_s == 42
+
+
 def test_the_key_is_checked_as_a_bearer_token():
     def request(header: str | None):
         headers = [] if header is None else [(b"authorization", header.encode())]

@@ -1,7 +1,9 @@
 """A decoder replica killed for real (SIGKILL of its process, as a preempted node's would go) under
 requests in flight: its clients get a retryable 503, in-band for a stream (an error chunk, then
-[DONE]), and Serve's replacement replica serves the next request. The deployment is the tiny target with
-a random draft on the suite's local Ray; the module owns it because it kills its replicas."""
+[DONE]), and Serve's replacement replica serves the next request. A replica replaced by a redeploy
+finishes its streams within serve.graceful_shutdown_timeout_s, and past it ends them the same way. The
+deployment is the tiny target with a random draft on the suite's local Ray; the module owns it because
+it kills and replaces its replicas."""
 
 import json
 import os
@@ -104,6 +106,54 @@ def test_a_request_whose_replica_dies_gets_503_with_retry_after(server):
     assert server.client.get("/health").status_code in (200, 503)
     assert time.monotonic() - start < 10.0  # CONTROL_TIMEOUT_S and a margin: never a hang
     serving_again(server, dead)
+
+
+def redeploy(server, **serve_fields) -> threading.Thread:
+    """Deploys the application again with changed serve.* fields, in a thread (it returns once the new
+    replicas are ready): a changed decoder config replaces the decoder replica, which first stops taking
+    requests and drains (Serve starts the new one after the old one is gone)."""
+    from pipeline.serve.lifecycle import start_serve
+
+    cfg = server.cfg.model_copy(update={"serve": server.cfg.serve.model_copy(update=serve_fields)})
+    server.cfg = cfg
+    thread = threading.Thread(target=start_serve, args=(cfg,))
+    thread.start()
+    return thread
+
+
+def test_a_redeploy_lets_running_streams_finish(server):
+    """The replica going away keeps decoding the stream it had; the stream ends as usual (its
+    finish_reason, [DONE]), before Serve has replaced the replica."""
+    with server.client.stream("POST", CHAT, json={**LONG, "max_tokens": 200, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(lines), next(lines)  # the role chunk and a first content chunk: decoding
+        (old,) = decoder_pids()
+        redeploying = redeploy(server, default_max_tokens=server.cfg.serve.default_max_tokens + 1)
+        rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert redeploying.is_alive()  # the old replica could not stop before the stream ended
+    assert rest[-1] == "[DONE]" and "error" not in json.loads(rest[-2]), rest[-3:]
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    redeploying.join(180)
+    serving_again(server, old)
+
+
+def test_a_redeploy_past_the_grace_period_ends_streams_with_an_error_chunk(server):
+    redeploy(server, graceful_shutdown_timeout_s=1.0).join(180)  # the running replica's grace period
+    wait_for(lambda: server.client.get("/health").status_code == 200)
+    with server.client.stream("POST", CHAT, json={**LONG, "stream": True}) as response:
+        lines = response.iter_lines()
+        next(lines), next(lines)
+        (old,) = decoder_pids()
+        redeploying = redeploy(server, default_max_tokens=server.cfg.serve.default_max_tokens + 1)
+        start = time.monotonic()
+        rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - start < ENDS_WITHIN_S
+    assert rest[-1] == "[DONE]", rest[-3:]
+    error = json.loads(rest[-2])["error"]
+    assert error["status"] == 503 and error["code"] == "replica_unavailable" and "retry" in error["message"]
+    redeploying.join(180)
+    serving_again(server, old)
 
 
 def test_the_replacement_replica_serves_normally(server):
