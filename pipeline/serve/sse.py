@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pipeline.serve.errors import internal_error
 from pipeline.serve.protocol import ApiError, LogprobFormatter, completion_text, content_tokens
 
 logger = logging.getLogger(__name__)
@@ -179,9 +180,8 @@ async def sse_stream(
                     yield sse_chunk(head, chat, {"content": item}, logprobs=part)
                 else:
                     result = item
-    except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
-        logger.exception("streamed generation failed")
-        yield sse_error(ApiError(f"internal error: {error}", status=500, kind="server_error"))
+    except Exception:  # the 200 and some chunks are out: report in-band and keep serving
+        yield sse_error(internal_error(logger, "streamed generation failed"))
         return
     delta, n_tokens, hit = text.finish()
     rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None

@@ -3,6 +3,7 @@ count, and a refused call that ends cleanly. The key tests run a deployment with
 random draft, the suite's local Ray); the rest need no server."""
 
 import asyncio
+import json
 import os
 import re
 from pathlib import Path
@@ -131,6 +132,30 @@ def test_admission_counts_exactly_and_a_refused_call_ends_cleanly():
         assert admission.admitted == admission.sent == 0
 
     asyncio.run(scenario())
+
+
+def test_a_bug_is_logged_and_answered_without_its_text(caplog):
+    """After the 200 a failing decode ends its stream with a 500 error chunk and [DONE]; the chunk names
+    a request id, and only the log holds the exception (its text may hold paths or prompts)."""
+    from pipeline.resources.targets import tiny_tokenizer
+    from pipeline.serve.sse import TextStream, sse_stream
+
+    async def items():
+        yield "hel"
+        raise RuntimeError("/srv/models/secret-weights.bin exploded")
+
+    async def events():
+        tokenizer = tiny_tokenizer()
+        text = TextStream(tokenizer, [tokenizer.eos_token_id], [])
+        return [e async for e in sse_stream(items(), text, {"id": "chatcmpl-1"}, True, lambda *a: ("stop", {}))]
+
+    with caplog.at_level("ERROR"):
+        sent = asyncio.run(events())
+    assert sent[-1].endswith("data: [DONE]\n\n") and "hel" in sent[-2]
+    error = json.loads(sent[-1].split("\n\n")[0].removeprefix("data: "))["error"]
+    assert error["status"] == 500 and error["code"] == "internal_error" and "secret" not in sent[-1]
+    request_id = re.search(r"request id (\w+)", error["message"]).group(1)
+    assert any(request_id in r.getMessage() and "exploded" in r.exc_text for r in caplog.records if r.exc_text)
 
 
 # ---- a deployment with a key ----
