@@ -17,6 +17,10 @@ from pipeline.serve.decoder import SpeculativeDecoder, served_model_name
 from pipeline.serve.ingress import EdgeConfig, Ingress
 
 APP_NAME = "griffin"
+# a redeploy replaces the ingress too (its arguments name the decoder): it waits this much longer than
+# the decoders, so a stream whose decoder is force-killed at the end of its grace period still gets its
+# error chunk and [DONE] before the ingress goes
+RELAY_MARGIN_S = 10.0
 
 
 class ServeArgs(BaseModel):
@@ -101,6 +105,6 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         num_replicas=1,
         max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
         max_queued_requests=-1,
-        graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s,  # ... and relays their streams
+        graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s + RELAY_MARGIN_S,  # ... and relays them
         ray_actor_options={"num_cpus": 0},
     ).bind(decoder, edge)
