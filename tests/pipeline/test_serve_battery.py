@@ -2,9 +2,9 @@
 pieces it relies on checked without a server: log-probabilities from the decode loop, chat contents
 as plain text, the wedge check.
 
-One deployment for the module, deliberately small: 2 admitted completions per replica (one decoding,
-one queued), a Serve queue of 1 and a 64 KiB body limit, so overload is reachable with a handful of
-requests. Timing assertions are structural (the health check answers while a decode runs, the
+One deployment for the module, deliberately small: 2 completions at the replica (one decoding, one
+queued on its lock), 1 more waiting in the ingress and a 64 KiB body limit, so overload is reachable
+with a handful of requests. Timing assertions are structural (the health check answers while a decode runs, the
 abandoned decode ended before its budget): this runs on a noisy 2-core machine.
 """
 
@@ -409,26 +409,35 @@ def test_health_answers_while_streams_decode(server):
 
 
 def test_full_queue_sheds_with_retry_after(server):
-    """2 completions admitted (one decoding, one queued): the next is refused at once with 503 +
-    Retry-After and an OpenAI error body; the replica keeps serving."""
+    """2 completions at the replica (one decoding, one queued) and 1 waiting in the ingress: the next is
+    refused at once with 503 + Retry-After and an OpenAI error body; the waiting one is answered once a
+    slot frees, and the replica keeps serving."""
     shed_before = wait_for(lambda: stats(server)["admitted"] == 0 and stats(server))["shed"]
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(post(server, GOOD)))
     with long_stream(server) as first, long_stream(server) as second:
         held = first.iter_lines(), second.iter_lines()  # kept: dropping one hangs up (httpcore)
-        next(held[0]), next(held[1])  # the role chunks: both admitted, one decoding, one queued
+        next(held[0]), next(held[1])  # the role chunks: both at the replica, one decoding, one queued
         assert stats(server)["admitted"] == 2
+        waiting.start()
+        wait_for(lambda: stats(server)["ingress"]["waiting"] == 1)
         response = post(server, GOOD)
         error = error_of(response, 503)
         assert response.headers["retry-after"] == str(RETRY_AFTER)
         assert error["type"] == "server_error" and error["code"] == "server_overloaded"
         assert server.client.get("/health").status_code == 200
+        assert not answers  # still waiting for a slot
+    waiting.join(60)
+    assert answers and answers[0].status_code == 200, answers  # the streams hung up: it got a slot
     assert stats(server)["shed"] == shed_before + 1
     wait_for(lambda: stats(server)["admitted"] == 0)
     assert post(server, GOOD).status_code == 200
 
 
 def test_burst_is_shed_not_failed(server):
-    """12 concurrent requests against 2 slots: every answer is 200 or a shed 503 with Retry-After
-    (no 5xx of any other kind), and some of each."""
+    """12 concurrent requests against 2 slots and a queue of 1: every answer is 200 or a shed 503 with
+    Retry-After and an OpenAI error body (no 5xx of any other kind, nothing from Serve's own queues),
+    and some of each."""
 
     def call(i):
         response = post(
@@ -440,7 +449,7 @@ def test_burst_is_shed_not_failed(server):
                 "speculative": False,
             },
         )
-        return response.status_code, response.headers.get("retry-after"), response.text[:300]
+        return response.status_code, response.headers.get("retry-after"), response.text
 
     with ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(call, range(12)))
@@ -448,6 +457,8 @@ def test_burst_is_shed_not_failed(server):
     assert {status for status, _ in results} <= {200, 503}, results
     assert any(status == 200 for status, _ in results) and any(status == 503 for status, _ in results), results
     assert all(retry for status, retry in results if status == 503), [a for a in answers if a[0] == 503 and not a[1]]
+    shed = [text for status, _, text in answers if status == 503]
+    assert all(json.loads(text)["error"]["code"] == "server_overloaded" for text in shed), shed
 
 
 def recent(server, max_tokens):
