@@ -278,6 +278,8 @@ class SpeculativeDecoder:
                     if not isinstance(item, str):
                         result, outcome = item, "stop_sequence" if job.text.stopped else "finished"
                     yield item
+        except (asyncio.CancelledError, GeneratorExit):  # the consumer left: the row is cancelled
+            raise
         except BaseException:
             outcome = "error"
             raise

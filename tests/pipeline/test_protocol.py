@@ -70,7 +70,7 @@ def run(words, chat=True, include_usage=False, fail_at=None, tail=tail):
         events = sse_stream(decode(text, words, fail_at), text, HEAD, chat, tail, include_usage=include_usage)
         return [e async for e in events]
 
-    events = asyncio.run(collect())
+    events = [e + "\n\n" for e in "".join(asyncio.run(collect())).split("\n\n") if e]  # one per event
     assert events[-1] == SSE_DONE  # every stream ends with [DONE], failed or not
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 

@@ -2,8 +2,8 @@
 pieces it relies on checked without a server: log-probabilities from the decode loop, chat contents
 as plain text, the wedge check.
 
-One deployment for the module, deliberately small: 2 completions at the replica (one decoding, one
-queued on its lock), 1 more waiting in the ingress and a 64 KiB body limit, so overload is reachable
+One deployment for the module, deliberately small: 2 completions at the replica (decoding together
+in its engine), 1 more waiting in the ingress and a 64 KiB body limit, so overload is reachable
 with a handful of requests. Timing assertions are structural (the health check answers while a decode runs, the
 abandoned decode ended before its budget): this runs on a noisy 2-core machine.
 """
@@ -390,26 +390,26 @@ def long_stream(server, max_tokens=400, speculative=True):
 
 
 def test_health_answers_while_streams_decode(server):
-    """/health and /v1/models answer from the event loop while a long stream decodes and a second
-    waits for it (they never queue behind completions)."""
+    """/health and /v1/models answer from the event loop while two long streams decode together in the
+    replica's engine (they never queue behind completions)."""
     wait_for(lambda: stats(server)["admitted"] == 0)  # earlier tests' hung-up streams have let go
     with long_stream(server) as first, long_stream(server) as second:
-        lines, waiting = first.iter_lines(), second.iter_lines()  # kept: dropping one hangs up (httpcore)
+        lines, others = first.iter_lines(), second.iter_lines()  # kept: dropping one hangs up (httpcore)
         next(lines), next(lines)  # the role chunk and a first content chunk: the decode is running
-        next(waiting)  # the role chunk: admitted; it waits for the decode lock
+        next(others), next(others)  # ... and the second's, beside it
         latencies = []
         for _ in range(10):
             start = time.perf_counter()
             assert server.client.get("/health").json()["status"] == "ok"
             latencies.append(time.perf_counter() - start)
         now = stats(server)
-        assert now["running"] == 1 and now["waiting"] == 1
+        assert now["running"] == 2 and now["waiting"] == 0
         assert server.client.get("/v1/models").status_code == 200
     assert sorted(latencies)[len(latencies) // 2] < 1.0, latencies  # generous: a noisy 2-core machine
 
 
 def test_full_queue_sheds_with_retry_after(server):
-    """2 completions at the replica (one decoding, one queued) and 1 waiting in the ingress: the next is
+    """2 completions at the replica (decoding together) and 1 waiting in the ingress: the next is
     refused at once with 503 + Retry-After and an OpenAI error body; the waiting one is answered once a
     slot frees, and the replica keeps serving."""
     shed_before = wait_for(lambda: stats(server)["admitted"] == 0 and stats(server))["shed"]
