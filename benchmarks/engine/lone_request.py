@@ -15,7 +15,6 @@ import argparse
 import importlib
 import io
 import json
-import platform
 import re
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     from griffin.config import SamplingConfig, TreeConfig
     from pipeline.config import load_config
+    from pipeline.evaluate.report import machine_identity
     from pipeline.resources.drafts import load_draft_uri
     from pipeline.resources.questions import load_questions
     from pipeline.resources.targets import load_target
@@ -105,7 +105,7 @@ def main() -> None:
     medians = {name: statistics.median(v) for name, v in seconds.items()}
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": machine_identity(),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "baseline_commit": BASELINE,
