@@ -466,8 +466,9 @@ def recent(server, max_tokens):
 
 
 def test_abandoned_requests_stop_their_decodes(server):
-    """Non-streaming clients that give up: the decoding one stops at its next round (fewer tokens
-    than its budget), the queued one never decodes; the replica is free again right after."""
+    """Non-streaming clients that give up: each stops at its next round (fewer tokens than its budget),
+    the one decoding beside the other too; the replica is free again right after. (A request that
+    gives up while waiting for an engine slot never decodes: tests/griffin/test_engine.py.)"""
 
     def give_up(max_tokens, timeout):
         body = {
@@ -482,12 +483,12 @@ def test_abandoned_requests_stop_their_decodes(server):
     decoding = threading.Thread(target=give_up, args=(477, 0.6))
     decoding.start()
     wait_for(lambda: stats(server)["running"] == 1, 30)
-    give_up(476, 0.3)  # queued behind the first, gives up first
+    give_up(476, 0.3)  # decodes beside the first, gives up first
     decoding.join()
     first = wait_for(lambda: [r for r in recent(server, 477) if r["outcome"] != "decoding"])[-1]
-    queued = wait_for(lambda: recent(server, 476))[-1]
+    second = wait_for(lambda: [r for r in recent(server, 476) if r["outcome"] != "decoding"])[-1]
     assert first["outcome"] == "abandoned" and 0 < first["tokens"] < 477, first
-    assert queued["outcome"] == "abandoned" and queued["tokens"] == 0, queued
+    assert second["outcome"] == "abandoned" and second["tokens"] < 476, second
     wait_for(lambda: stats(server)["admitted"] == 0, 30)
     assert post(server, GOOD).status_code == 200
 
