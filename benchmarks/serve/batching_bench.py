@@ -1,0 +1,126 @@
+"""Batching through one replica: the same requests one at a time vs at once, through the endpoint.
+
+SmolLM2-135M-Instruct with the shipped GRIFFIN draft, one decoder replica (``serve.num_cpus: 1``, as
+on this 2-core machine), T=0, 64 tokens, MT-Bench first turns, non-streaming with
+``return_token_ids``. Interleaved over repetitions (medians):
+- 4 requests one after another vs the same 4 at once (the acceptance: >= 2x tokens/s, outputs equal);
+- 8 one after another vs 8 at once (the goal: >= 4x);
+- 8 at once drafting (the replica's ``decode.policy``) vs 8 at once with ``"speculative": false``,
+  every row plain: the same engine with speculation off (the goal: >= 1.0x).
+Every concurrent output must equal its one-at-a-time output token for token.
+
+    python benchmarks/serve/batching_bench.py [--dtype float32] [--policy TUNE_TREE_JSON] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+OUT = Path(__file__).parent
+DRAFT = "drafts/smollm2-135m-instruct/griffin"
+
+
+def complete(url: str, question: str, new: int, speculative: bool = True) -> list[int]:
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": new,
+        "temperature": 0,
+        "return_token_ids": True,
+        "speculative": speculative,
+    }
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()["speculative"]["token_ids"]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def one_by_one(url, questions, new, speculative=True):
+    return [complete(url, q, new, speculative) for q in questions]
+
+
+def at_once(url, questions, new, speculative=True):
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(lambda q: complete(url, q, new, speculative), questions))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--policy", help="a tune_tree.json whose policy the replica serves with")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args()
+    from pipeline.config import load_config
+    from pipeline.evaluate.report import machine_identity
+    from pipeline.resources.questions import load_questions
+    from pipeline.serve.lifecycle import start_serve, stop_serve
+
+    overrides = [
+        f"target.dtype={args.dtype}",
+        f"serve.draft_uri={DRAFT}",
+        "serve.port=8011",
+        "output_dir=/tmp/batching_bench",
+    ]
+    cfg = load_config("jobs/configs/smollm2-quick.yaml", overrides)
+    policy = json.loads(Path(args.policy).read_text())["policy"] if args.policy else None
+    if policy:
+        cfg = cfg.model_copy(
+            update={"decode": cfg.decode.model_copy(update={"policy": {int(b): t for b, t in policy.items()}})}
+        )
+        cfg = type(cfg).model_validate(cfg.model_dump())  # the policy's trees as TreeConfig
+    questions = [q["turns"][0] for q in load_questions("mt_bench", 8)]
+    url = start_serve(cfg)
+    try:
+        at_once(url, questions[:2], 8)  # warm-up
+        cases = {
+            "4_one_by_one": lambda: one_by_one(url, questions[:4], args.new),
+            "4_at_once": lambda: at_once(url, questions[:4], args.new),
+            "8_one_by_one": lambda: one_by_one(url, questions, args.new),
+            "8_at_once": lambda: at_once(url, questions, args.new),
+            "8_at_once_plain": lambda: at_once(url, questions, args.new, speculative=False),
+        }
+        seconds, outputs = {name: [] for name in cases}, {}
+        for rep in range(args.reps):
+            names = list(cases)[rep % len(cases) :] + list(cases)[: rep % len(cases)]
+            for name in names:
+                spent, outputs[name] = timed(cases[name])
+                seconds[name].append(spent)
+    finally:
+        stop_serve()
+    assert outputs["4_at_once"] == outputs["4_one_by_one"] == outputs["8_one_by_one"][:4]
+    assert outputs["8_at_once"] == outputs["8_one_by_one"] == outputs["8_at_once_plain"]
+    tokens = {name: sum(len(ids) for ids in outputs[name]) for name in cases}
+    rate = {name: tokens[name] / statistics.median(seconds[name]) for name in cases}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_identity(),
+        "dtype": args.dtype,
+        "policy": policy or {"1": cfg.decode.tree.model_dump()},
+        "new_tokens": args.new,
+        "reps": args.reps,
+        "tokens_per_s": rate,
+        "seconds": seconds,
+        "four_at_once_vs_one_by_one": rate["4_at_once"] / rate["4_one_by_one"],
+        "eight_at_once_vs_one_by_one": rate["8_at_once"] / rate["8_one_by_one"],
+        "eight_policy_vs_plain": rate["8_at_once"] / rate["8_at_once_plain"],
+        "outputs_equal": True,
+    }
+    print(json.dumps(result, indent=2))
+    suffix = "" if args.dtype == "bfloat16" else "-fp32"
+    (OUT / f"batching{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
