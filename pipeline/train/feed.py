@@ -1,7 +1,7 @@
 """A training stage's input as Ray Data datasets, split across the Ray Train workers.
 
-``train.features: offline`` reads the feature store: ``ray.data.read_parquet`` over its parts, only
-the columns the draft reads (a single-feature draft never reads the multi-layer column).
+``train.features: offline`` reads the feature store: a Ray Data task per part file of the manifest,
+only the columns the draft reads (a single-feature draft never reads the multi-layer column).
 ``online`` computes the same rows as training reads them: the featurize stage's target actors
 (``PartFeatures``, with featurize's pool size and resources) run over the same planned parts a
 featurize would write, and nothing is stored. Either way the held-out rows (by sample id) form the
@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig
 
@@ -67,11 +68,21 @@ def _split(base, eval_ids: set[str]) -> dict[str, Any]:
     return {"train": split(False), **({"eval": split(True)} if ids else {})}
 
 
+def read_parts(batch: pa.Table, columns: list[str]) -> pa.Table:
+    """``columns`` of the part files named in ``batch`` (its ``file`` column), in that order."""
+    return pa.concat_tables([pq.read_table(f, columns=columns) for f in batch["file"].to_pylist()])
+
+
 def stored_datasets(files: list[str], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
-    """``train`` and ``eval`` datasets of the store's part ``files``."""
+    """``train`` and ``eval`` datasets of the store's part ``files``, a read task per part, in order.
+    Not ``ray.data.read_parquet``: every execution of it (a split runs one per epoch) first lists the
+    files through a pool of footer-reading actors (32 in Ray 2.60), whose start-up took 10-15 s per
+    epoch on a small machine, to find files that the manifest already names."""
     import ray
 
-    base = ray.data.read_parquet(files, columns=feature_columns(dtype, layers), override_num_blocks=len(files))
+    parts = ray.data.from_items([{"file": f} for f in files], override_num_blocks=len(files))
+    columns = feature_columns(dtype, layers)
+    base = parts.map_batches(read_parts, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": columns})
     return _split(base, eval_ids)
 
 
