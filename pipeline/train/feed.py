@@ -11,6 +11,12 @@ cut into ``ROWS_PER_BLOCK``-row blocks.
 ``data_config()`` splits both with ``streaming_split(world, equal=True)`` (Ray Train's
 ``DataConfig``), so each rank reads ~1/world of the rows, with ``preserve_order`` so that the same
 rows reach the same rank in the same order on every attempt (exact resume; ``pipeline.train.batches``).
+
+A split runs its dataset anew for every epoch, worker-group restart and stage: offline that reads the
+parts again, online it starts the target actors again (each loads the target) and recomputes every
+feature. ``materialize()`` runs both datasets once on the driver instead (``train.materialize``;
+``auto``: when ``estimated_bytes`` fits a quarter of the object store); the splits then hand out the
+same blocks in the same order, so ranks receive exactly the rows a streamed run gives them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pipeline.config import RunConfig
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
 ROWS_PER_BLOCK = 16
+MATERIALIZE_SHARE = 0.25  # of the cluster's object-store memory: Ray Data's own streaming needs the rest
 
 
 def data_config():
@@ -108,3 +115,30 @@ def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids
         return reblock(part_actor_dataset(cfg, PartFeatures, [pack_part(p) for p in parts if p], kwargs))
 
     return {"train": dataset(False), **({"eval": dataset(True)} if eval_ids else {})}
+
+
+def estimated_bytes(tokens: int, hidden_size: int, dtype: str, layers: int) -> int:
+    """The in-memory size of ``tokens`` positions of the columns training reads: ids (int32) and mask
+    (uint8), then H values per feature vector (the final feature and each of ``layers`` feature
+    layers), 2 bytes each in bf16, or 1 byte plus a float32 scale per position in fp8."""
+    per_vector = hidden_size + 4 if dtype == "fp8" else 2 * hidden_size
+    return tokens * (5 + (1 + layers) * per_vector)
+
+
+def should_materialize(setting: bool | str, size: int) -> bool:
+    """``train.materialize``: yes, no, or (auto) when ``size`` bytes fit ``MATERIALIZE_SHARE`` of the
+    cluster's object-store memory (spilling a larger one to disk would cost more than re-reading)."""
+    if setting != "auto":
+        return bool(setting)
+    import ray
+
+    return size <= MATERIALIZE_SHARE * ray.cluster_resources().get("object_store_memory", 0)
+
+
+def materialize(datasets: dict[str, Any]) -> dict[str, Any]:
+    """Each dataset run once, in order, its blocks held in the object store for as long as the
+    returned datasets live (one block per bundle, as the stream delivers them: the split assigns rows
+    to ranks as it would from the stream)."""
+    for dataset in datasets.values():
+        dataset.context.execution_options.preserve_order = True
+    return {name: dataset.materialize() for name, dataset in datasets.items()}
