@@ -33,6 +33,7 @@ def acceptance_length(accepted_per_round: list[int]) -> float:
 class GenerationStats:
     rounds: int = 0  # target passes after prefill (verification passes for speculative decoding)
     accepted_per_round: list[int] = field(default_factory=list)  # draft tokens accepted per round
+    drafted_per_round: list[int] = field(default_factory=list)  # draft tokens verified per round (0: plain)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0  # target verify forward + acceptance + KV compaction

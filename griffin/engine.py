@@ -221,6 +221,7 @@ class BatchEngine:
             row.stats.round_seconds.append((mid - start, end - mid))
             row.stats.rounds += 1
             row.stats.accepted_per_round.append(len(path) - 2)
+            row.stats.drafted_per_round.append(tree_b.size - 1)
             committed = tree_b.tokens[torch.tensor(path[1:-1], dtype=torch.long)].tolist() + [path[-1]]
             self._pend(row, features[b, torch.tensor(path[:-1], device=device)], committed)
             lp = row.request.logprobs

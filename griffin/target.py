@@ -48,7 +48,7 @@ DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 def decode_attention(device: str | torch.device) -> contextlib.AbstractContextManager:
     """Context for a decode on ``device``: SDPA without cuDNN's backend on CUDA (``DECODE_ATTENTION``),
     unchanged elsewhere. The backend flags are process-wide, so concurrent decodes on one GPU would
-    race on them; a replica decodes one request at a time (pipeline.serve)."""
+    race on them; a replica runs every decode in its one engine thread (griffin.engine, pipeline.serve)."""
     return sdpa_kernel(DECODE_ATTENTION) if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
 

@@ -91,7 +91,7 @@ WORKER_GROUP_FIELDS = {
     "numOfHosts",
     "headService",
 }
-SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|ACCESS_KEY|CREDENTIAL", re.I)
+SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|ACCESS_KEY|API_KEY|CREDENTIAL", re.I)
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ def test_gpu_config_puts_every_path_on_the_shared_volume(cfg):
 
 
 # ---- RayService -------------------------------------------------------------------------------
-def test_rayservice_builds_the_decoder_app(docs, manifests, cfg):
+def test_rayservice_builds_the_decoder_app(docs, manifests, cfg, monkeypatch):
     from ray import serve
     from ray.serve.schema import ServeDeploySchema
 
@@ -369,8 +369,17 @@ def test_rayservice_builds_the_decoder_app(docs, manifests, cfg):
         **app["args"],
         "overrides": [*app["args"]["overrides"], f"serve.draft_uri={REPO / 'drafts/smollm2-135m-instruct/griffin'}"],
     }
-    assert isinstance(builder(local), serve.Application)
     args_cfg = load_config(REPO / app["args"]["config"], app["args"].get("overrides", []))
+    # http_options bind 0.0.0.0: without the API key the builder refuses; every pod has it from a Secret
+    key_env = args_cfg.serve.api_key_env
+    monkeypatch.delenv(key_env, raising=False)
+    with pytest.raises(ValueError, match="no API key is set"):
+        builder(local)
+    for pod in _pod_specs(service):
+        for container in pod["containers"]:
+            assert _env(container)[key_env]["valueFrom"]["secretKeyRef"]["name"] == "griffin-api-key"
+    monkeypatch.setenv(key_env, "sk-test")
+    assert isinstance(builder(local), serve.Application)
     assert config["http_options"]["port"] == args_cfg.serve.port
     assert config["http_options"]["host"] == "0.0.0.0"  # inside the pod; exposed by the ClusterIP serve service
     gpu_group = _check_ray_cluster("RayService", service["spec"]["rayClusterConfig"], manifests)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate
 from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
 from pipeline.config import load_config
+from pipeline.evaluate.report import machine_identity
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.questions import load_questions
 from pipeline.resources.targets import load_target
@@ -96,7 +96,7 @@ def main() -> None:
     suffix = "" if args.dtype == "bfloat16" else "-fp32"
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": machine_identity(),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "tree": tree.model_dump(),

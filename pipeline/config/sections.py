@@ -194,7 +194,11 @@ class RegistrySection(Section):
 
 
 class ServeSection(Section):
-    host: str = "127.0.0.1"
+    host: str = Field(
+        default="127.0.0.1",
+        description="the HTTP bind address; one reachable from other machines needs an API key "
+        "(api_key_env) unless allow_unauthenticated",
+    )
     port: int = Field(default=8000, ge=1, le=65535)
     draft_uri: str | None = Field(default=None, description="models:/<name>@champion, a run URI or a directory")
     model_name: str | None = Field(default=None, description="the name clients pass as 'model'")
@@ -205,8 +209,8 @@ class ServeSection(Section):
     max_ongoing_requests: int = Field(
         default=8,
         ge=1,
-        description="completions a replica holds at once: up to max_batch decode together, the rest wait "
-        "(the replica's queue); one more is shed with 503 + Retry-After",
+        description="completions a decoder replica holds at once: up to max_batch decode together, the rest "
+        "wait (the replica's queue); the ingress admits this many per replica (autoscaling: per max_replicas)",
     )
     max_batch: int = Field(
         default=8, ge=1, description="requests a replica decodes together, one round for all (the engine's slots)"
@@ -216,15 +220,15 @@ class ServeSection(Section):
     default_max_tokens: int = Field(default=256, ge=1)
     max_queued_requests: int = Field(
         default=16,
-        ge=1,
-        description="Serve's bound on requests waiting at the proxy for a replica slot; "
-        "overflow gets 503 + Retry-After",
+        ge=0,
+        description="completions waiting in the ingress for a decoder slot when every replica's "
+        "max_ongoing_requests are taken; the next is shed with 503 + Retry-After",
     )
     control_slots: int = Field(
         default=16,
         ge=1,
-        description="Serve slots per replica beyond max_ongoing_requests, so /health, "
-        "/v1/models and shedding (with an OpenAI error body) never wait behind completions",
+        description="Serve slots beyond the completions, on each decoder replica and on the ingress, so "
+        "/health, /v1/models, /stats and shedding (with an OpenAI error body) never wait behind completions",
     )
     retry_after_s: float = Field(default=1.0, gt=0, description="the Retry-After sent with a shed request")
     shed_status: Literal[503, 429] = Field(default=503, description="the HTTP status of a shed request")
@@ -238,6 +242,24 @@ class ServeSection(Section):
         default=1 << 20,
         ge=1024,
         description="larger request bodies get 413 (from Content-Length, or while reading, before buffering them)",
+    )
+    api_key_env: str = Field(
+        default="GRIFFIN_API_KEY",
+        min_length=1,
+        description="the environment variable holding the API key: when set (non-empty), every route but "
+        "/health needs 'Authorization: Bearer <key>'; read where the application is built",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="serve a host reachable from other machines without an API key (only behind a proxy "
+        "that authenticates); without it such a host and no key refuse to start",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="on a redeploy or scale-down, how long a replica that is going away keeps serving its "
+        "running requests (Serve sends it no new ones); streams still running then end with an error chunk "
+        "and [DONE]",
     )
     stall_timeout_s: float = Field(
         default=600.0,

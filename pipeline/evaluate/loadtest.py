@@ -208,7 +208,9 @@ def run_bench_serve(
 ) -> dict[str, Any]:
     """Load-test ``url`` (default: this machine's ``serve.port``, started when nothing answers) in
     each of ``modes`` the server offers (default all); ``requests_per_level`` defaults to
-    2 x concurrency (at least 4). ``api_key`` goes as ``Authorization: Bearer``."""
+    2 x concurrency (at least 4). ``api_key`` (default: the key of ``serve.api_key_env``'s variable,
+    when set) goes as ``Authorization: Bearer``."""
+    from pipeline.serve.auth import client_headers
     from pipeline.serve.lifecycle import ensure_serving, stop_serve
 
     if url is None and cfg.serve.host not in LOCAL_HOSTS:
@@ -218,7 +220,7 @@ def run_bench_serve(
     unknown = set(modes or ()) - {*MODES, "served"}
     if unknown:
         raise ValueError(f"bench-serve modes must be among {(*MODES, 'served')}, got {sorted(unknown)}")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else client_headers(cfg.serve)
     url, started = (base_url(url), False) if url else ensure_serving(cfg)
     try:
         model, offered = _served(url, headers, model)

@@ -167,6 +167,8 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
     """GRIFFIN and vanilla through the endpoint (started with ``draft_uri`` when none is running)."""
     import httpx
 
+    from pipeline.serve.auth import client_headers
+    from pipeline.serve.decoder import public_name
     from pipeline.serve.lifecycle import ensure_serving
 
     if draft_uri is None:
@@ -179,9 +181,9 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
         }
     )
     url, started = ensure_serving(serving)
-    client = httpx.Client()
+    client = httpx.Client(headers=client_headers(cfg.serve))
     served = client.get(f"{url}/v1/models").json()["data"][0]
-    if served["draft"] != draft_uri:
+    if served["draft"] != public_name(draft_uri):
         logger.warning(
             "%s serves draft %s, not %s: the endpoint numbers are that draft's", url, served["draft"], draft_uri
         )

@@ -1,7 +1,9 @@
-"""Ray Serve: the deployment and app builder (``app``), starting and stopping it (``lifecycle``), a request's
-decode (``engine``), metrics (``metrics``), the OpenAI wire protocol (``protocol``) and
-server-sent events (``sse``). May import: ``pipeline.resources``, ``pipeline.data.chat`` and the pipeline
-root. Entry points: ``app.app_builder``, ``lifecycle.run_serve``."""
+"""Ray Serve: the app builder (``app``) of two deployments, the HTTP edge (``ingress``, with its admission
+and relayed calls in ``relay``, API keys in ``auth``) in front of the decoder (``decoder``); error answers
+(``errors``); starting and stopping it (``lifecycle``), a request's decode (``engine``), metrics
+(``metrics``), the OpenAI wire protocol (``protocol``) and server-sent events (``sse``). May import:
+``pipeline.resources``, ``pipeline.data.chat`` and the pipeline root. Entry points: ``app.app_builder``,
+``lifecycle.run_serve``."""
 
 
 def __getattr__(name: str):

@@ -1,8 +1,8 @@
 """Requests' decodes inside a replica: one batching engine per replica (``ReplicaEngine``: griffin.engine
 in a thread of its own) decodes every admitted request together; each request's rounds come back to
-the event loop as text deltas (``stream_rounds``), and it leaves at its next round when the client
-leaves, a stop sequence is met or the request times out (``until_done``). ``DecodeTrace`` records what
-each did and when; ``check_progress`` is the replica's health check on them."""
+the event loop as text deltas (``stream_rounds``), and it leaves at its next round when a stop
+sequence is met or the call is cancelled (its client left, the request timed out). ``DecodeTrace``
+records what each did and when; ``check_progress`` is the replica's health check on them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
-
 import torch
 
 from griffin.config import SamplingConfig
@@ -26,8 +24,6 @@ from griffin.target import TargetAdapter
 from pipeline.serve.protocol import LogprobFormatter, SamplingRequest
 from pipeline.serve.sse import TextStream
 
-DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
-
 
 class StopDecoding(Exception):
     """Raised from a row's per-round callback to end its decode early (a stop sequence was met)."""
@@ -37,8 +33,16 @@ class ReplicaEngine:
     """A replica's batching engine (griffin.engine.BatchEngine) and the thread that runs its rounds:
     requests join from the event loop (``stream_rounds``), decode together, and leave on their own."""
 
-    def __init__(self, target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy, max_rows: int):
+    def __init__(
+        self,
+        target: TargetAdapter,
+        draft: GriffinDraft | None,
+        policy: SpeculationPolicy,
+        max_rows: int,
+        on_round: Callable[[int], None] | None = None,
+    ):
         self.engine = BatchEngine(target, draft, policy, max_rows)
+        self.on_round = on_round  # called with each round's row count (the batch-size metric)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="griffin-engine", daemon=True)
         self.thread.start()
@@ -46,7 +50,10 @@ class ReplicaEngine:
     def _loop(self) -> None:
         while not self.stopping.is_set():
             if self.engine.wait_for_work(timeout=0.5):
+                rounds = self.engine.rounds
                 self.engine.step()
+                if self.on_round is not None and self.engine.rounds > rounds:
+                    self.on_round(self.engine.last_batch)
 
     def close(self) -> None:
         self.stopping.set()
@@ -76,6 +83,8 @@ async def stream_rounds(
 
     def on_tokens(tokens: list[int]) -> None:  # in the engine thread: detokenizing there keeps the loop free
         if trace is not None:
+            if trace.started is None:  # the first call comes right after the row's prefill
+                trace.start()
             trace.round(tokens)
         delta = text.push(tokens)
         if delta:
@@ -97,53 +106,28 @@ async def stream_rounds(
     yield row.result
 
 
-async def _last_item(items: AsyncIterator[Any]) -> Any:
-    """Drains ``items`` (a non-streaming request's decode) and returns its last item, the result."""
+async def last_item(items: AsyncIterator[Any]) -> Any:
+    """Drains ``items`` (a non-streaming request's decode) and returns its last item, the result; when
+    this is cancelled (the ingress cancelled the call) ``items`` is closed, which ends the decode."""
     async with contextlib.aclosing(items):
         async for item in items:
             last = item
     return last
 
 
-class ClientGone(Exception):
-    """The client of a non-streaming request disconnected before its answer was ready."""
-
-
-async def until_done(items: AsyncIterator[Any], request: Request, poll_s: float = DISCONNECT_POLL_S) -> Any:
-    """A non-streaming request's result, watching its client meanwhile: when it disconnects (or this
-    coroutine is cancelled: Serve cancels a request whose client left or that timed out), the decode's
-    ``items`` are cancelled, which stops the decode at its next round (``stream_rounds``)."""
-    consumer = asyncio.ensure_future(_last_item(items))
-    try:
-        while True:
-            done, _ = await asyncio.wait({consumer}, timeout=poll_s)
-            if done:
-                return consumer.result()
-            if await _disconnected(request):
-                raise ClientGone
-    finally:
-        consumer.cancel()  # a no-op once it is done
-
-
-async def _disconnected(request: Request) -> bool:
-    try:
-        return await request.is_disconnected()
-    except Exception:  # a receive channel that failed: Serve's own cancellation still applies
-        return False
-
-
 class DecodeTrace:
     """What one admitted request's decode did and when (``time.monotonic`` seconds): written by the
-    worker at each round, read by /stats, the metrics and ``check_health`` (a wedged decode is one
+    engine thread at each round, read by /stats, the metrics and ``check_health`` (a wedged decode is one
     whose last round is long ago)."""
 
     def __init__(self, arrived: float, max_new: int, speculative: bool, stream: bool):
         self.arrived, self.max_new, self.speculative, self.stream = arrived, max_new, speculative, stream
-        self.started: float | None = None  # the decode lock was taken, the prefill begins
+        self.started: float | None = None  # its first token: it had an engine slot and was prefilled
         self.first_token: float | None = None
         self.last_progress: float | None = None
         self.ended: float | None = None
         self.rounds: list[list[int]] = []
+        self.round_times: list[float] = []  # when each round's tokens were committed
         self.outcome = "waiting"  # -> decoding -> finished | stop_sequence | abandoned | error
 
     def start(self) -> None:
@@ -155,6 +139,7 @@ class DecodeTrace:
         self.first_token = self.first_token or now
         self.last_progress = now
         self.rounds.append(tokens)
+        self.round_times.append(now)
 
     def end(self, outcome: str) -> None:
         self.ended, self.outcome = time.monotonic(), outcome
@@ -211,20 +196,13 @@ class Job:
     trace: DecodeTrace
 
 
-class Once:
-    """Calls ``action`` the first time it is called, never again (an admission slot's release)."""
-
-    def __init__(self, action: Callable[[], None]):
-        self.action: Callable[[], None] | None = action
-
-    def __call__(self) -> None:
-        action, self.action = self.action, None
-        if action is not None:
-            action()
-
-
 def decode_request(
-    req: SamplingRequest, prompt_ids: list[int], max_new: int, speculative: bool, device: torch.device, logprobs: LogprobRecorder | None
+    req: SamplingRequest,
+    prompt_ids: list[int],
+    max_new: int,
+    speculative: bool,
+    device: torch.device,
+    logprobs: LogprobRecorder | None,
 ) -> DecodeRequest:
     """A parsed request as the engine's ``DecodeRequest``: its sampling, its own seeded generator."""
     # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)

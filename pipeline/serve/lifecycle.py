@@ -8,7 +8,9 @@ import time
 from ray import serve
 
 from pipeline.config import RunConfig
-from pipeline.serve.app import APP_NAME, ServeArgs, app_builder, served_model_name
+from pipeline.serve.app import APP_NAME, ServeArgs, app_builder
+from pipeline.serve.auth import require_key
+from pipeline.serve.decoder import served_model_name
 
 
 def serve_url(cfg: RunConfig) -> str:
@@ -20,6 +22,7 @@ def start_serve(cfg: RunConfig) -> str:
     """Start (or update) the application on the configured Ray; returns its base URL once ready."""
     from pipeline.runtime import ensure_ray
 
+    require_key(cfg.serve)  # before anything starts: a host reachable from outside needs a key
     ensure_ray(cfg)
     serve.start(
         http_options={"host": cfg.serve.host, "port": cfg.serve.port, "request_timeout_s": cfg.serve.request_timeout_s}

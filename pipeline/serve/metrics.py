@@ -16,6 +16,12 @@ TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 RATE_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
 
 
+BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
+
+
+ITL_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5]
+
+
 class ServeMetrics:
     """Prometheus metrics through Ray (``ray.serve.metrics`` adds the deployment, replica and
     application tags; Ray exports them on each node's metrics export port with a ``ray_`` prefix and,
@@ -25,10 +31,9 @@ class ServeMetrics:
     tag: how often the k-th draft token of a round was accepted). Mean acceptance length =
     1 + accepted / drafts."""
 
-    def __init__(self, model: str, draft_tokens_per_round: int):
+    def __init__(self, model: str):
         from ray.serve import metrics
 
-        self.draft_tokens_per_round = draft_tokens_per_round
         tags = ("model",)
         self.drafts = metrics.Counter(
             "griffin_spec_decode_num_drafts", "Speculative rounds (target verification passes with a draft tree).", tags
@@ -63,8 +68,15 @@ class ServeMetrics:
             "griffin_num_requests_waiting", "Admitted completions waiting for the decode (the replica's queue).", tags
         )
         self.running = metrics.Gauge("griffin_num_requests_running", "Completions decoding.", tags)
-        self.shed = metrics.Counter(
-            "griffin_num_requests_shed", "Completions refused with 503/429 because the replica's queue was full.", tags
+        self.batch = metrics.Histogram(
+            "griffin_batch_rows", "Rows (requests) decoded together per engine round.", BATCH_BUCKETS, tags
+        )
+        self.generated = metrics.Counter("griffin_generation_tokens", "Completion tokens generated.", tags)
+        self.inter_token = metrics.Histogram(
+            "griffin_inter_token_latency_seconds",
+            "Seconds per token between a request's consecutive rounds (a round's tokens arrive together).",
+            ITL_BUCKETS,
+            tags,
         )
         for metric in (
             self.drafts,
@@ -76,21 +88,30 @@ class ServeMetrics:
             self.rate,
             self.waiting,
             self.running,
-            self.shed,
+            self.batch,
+            self.generated,
+            self.inter_token,
         ):
             metric.set_default_tags({"model": model})
 
-    def record(self, trace: DecodeTrace) -> None:
-        """One ended decode (abandoned ones too: their rounds ran)."""
+    def record(self, trace: DecodeTrace, drafted: list[int] | None = None) -> None:
+        """One ended decode (abandoned ones too: their rounds ran); ``drafted``: the draft tokens each
+        round verified (0 for a plain round: the policy's choice at that batch size), when known."""
         accepted = [len(r) - 1 for r in trace.rounds[1:]]  # the first callback is the prefill's token
-        if trace.speculative and accepted:
-            self.drafts.inc(len(accepted))
-            self.draft_tokens.inc(len(accepted) * self.draft_tokens_per_round)
-            if sum(accepted):
-                self.accepted.inc(sum(accepted))
-            for position in range(max(accepted)):
-                hits = sum(a > position for a in accepted)
+        drafted = (drafted or [])[: len(accepted)]
+        speculative = [(a, d) for a, d in zip(accepted, drafted) if d > 0]
+        if trace.speculative and speculative:
+            self.drafts.inc(len(speculative))
+            self.draft_tokens.inc(sum(d for _, d in speculative))
+            if sum(a for a, _ in speculative):
+                self.accepted.inc(sum(a for a, _ in speculative))
+            for position in range(max(a for a, _ in speculative)):
+                hits = sum(a > position for a, _ in speculative)
                 self.per_position.inc(hits, tags={"position": str(position)})
+        if trace.tokens:
+            self.generated.inc(trace.tokens)
+        for (before, after), tokens in zip(zip(trace.round_times, trace.round_times[1:]), trace.rounds[1:]):
+            self.inter_token.observe((after - before) / len(tokens))
         if trace.first_token is not None:
             self.ttft.observe(trace.first_token - trace.arrived)
         if trace.ended is not None:

@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pipeline.serve.errors import internal_error
 from pipeline.serve.protocol import ApiError, LogprobFormatter, completion_text, content_tokens
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,15 @@ class TextStream:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_error(error: ApiError) -> str:
+    """The end of a stream that failed after its 200 was sent: the OpenAI error body, with the HTTP
+    status the failure would have had (``status``: 503 = retry, 500 = a bug), then ``[DONE]``, so a
+    client sees both why and that nothing more is coming."""
+    body = error.body()
+    body["error"]["status"] = error.status
+    return f"data: {json.dumps(body)}\n\n{SSE_DONE}"
+
+
 def sse_chunk(
     head: dict,
     chat: bool,
@@ -176,10 +186,8 @@ async def sse_stream(
         delta, n_tokens, hit = text.finish()
         rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None
         finish, extra = tail(result, n_tokens, hit)
-    except Exception as error:  # the 200 and some chunks are out: report in-band and keep serving
-        logger.exception("streamed generation failed")
-        yield error_chunk(f"internal error: {error}")
-        yield SSE_DONE
+    except Exception:  # the 200 and some chunks are out: report in-band and keep serving
+        yield sse_error(internal_error(logger, "streamed generation failed"))
         return
     if delta:
         yield sse_chunk(head, chat, {"content": delta}, logprobs=rest)
@@ -188,8 +196,3 @@ async def sse_stream(
     if include_usage:
         yield usage_chunk(head, chat, extra["usage"])
     yield SSE_DONE
-
-
-def error_chunk(message: str) -> str:
-    """An OpenAI error body as a stream event (what vLLM and OpenAI send when a stream fails)."""
-    return f"data: {json.dumps(ApiError(message, kind='server_error').body())}\n\n"

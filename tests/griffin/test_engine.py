@@ -196,3 +196,15 @@ def test_a_request_without_speculation_decodes_plainly_beside_speculative_rows()
     assert set(results[1].stats.accepted_per_round) == {0}
     for prompt, result in zip(prompts, results):
         assert result.tokens == vanilla_generate(target, torch.tensor([prompt]), GREEDY, 16, stop_token_ids=[]).tokens
+
+
+def test_a_request_cancelled_while_waiting_for_a_slot_never_decodes():
+    target = make_target("llama")
+    engine = BatchEngine(target, None, SpeculationPolicy({1: None}), max_rows=1)
+    running = engine.submit(DecodeRequest([5, 6, 7], GREEDY, 8, stop_token_ids=[]))
+    waiting = engine.submit(DecodeRequest([8, 9], GREEDY, 8, stop_token_ids=[]))
+    engine.step()
+    engine.cancel(waiting)
+    engine.run_until_idle()
+    assert waiting.done.is_set() and waiting.result.tokens == [] and waiting.result.stats.rounds == 0
+    assert len(running.result.tokens) == 8

@@ -70,7 +70,7 @@ def run(words, chat=True, include_usage=False, fail_at=None, tail=tail):
         events = sse_stream(decode(text, words, fail_at), text, HEAD, chat, tail, include_usage=include_usage)
         return [e async for e in events]
 
-    events = asyncio.run(collect())
+    events = [e + "\n\n" for e in "".join(asyncio.run(collect())).split("\n\n") if e]  # one per event
     assert events[-1] == SSE_DONE  # every stream ends with [DONE], failed or not
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
@@ -92,8 +92,9 @@ def test_usage_rides_only_on_the_include_usage_chunk(chat):
 def test_a_failure_mid_stream_is_an_error_chunk_then_done(include_usage):
     chunks = run(["Hello", " there", " world"], fail_at=2, include_usage=include_usage)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[1]["choices"][0]["delta"]["content"]
-    error = chunks[-1]["error"]
-    assert error["type"] == "server_error" and "the decode broke" in error["message"]
+    error = chunks[-1]["error"]  # a 500 names a request id, never the exception's text
+    assert error["type"] == "server_error" and error["status"] == 500 and "request id" in error["message"]
+    assert "the decode broke" not in error["message"]
     assert all("error" not in c and c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
@@ -102,4 +103,4 @@ def test_a_failure_while_finishing_is_reported_too():
         raise ValueError("no tail")
 
     chunks = run(["Hello"], tail=broken_tail)
-    assert "no tail" in chunks[-1]["error"]["message"]
+    assert chunks[-1]["error"]["code"] == "internal_error" and "no tail" not in chunks[-1]["error"]["message"]

@@ -2,9 +2,9 @@
 pieces it relies on checked without a server: log-probabilities from the decode loop, chat contents
 as plain text, the wedge check.
 
-One deployment for the module, deliberately small: 2 admitted completions per replica (one decoding,
-one queued), a Serve queue of 1 and a 64 KiB body limit, so overload is reachable with a handful of
-requests. Timing assertions are structural (the health check answers while a decode runs, the
+One deployment for the module, deliberately small: 2 completions at the replica (decoding together
+in its engine), 1 more waiting in the ingress and a 64 KiB body limit, so overload is reachable
+with a handful of requests. Timing assertions are structural (the health check answers while a decode runs, the
 abandoned decode ended before its budget): this runs on a noisy 2-core machine.
 """
 
@@ -390,45 +390,54 @@ def long_stream(server, max_tokens=400, speculative=True):
 
 
 def test_health_answers_while_streams_decode(server):
-    """/health and /v1/models answer from the event loop while a long stream decodes and a second
-    waits for it (they never queue behind completions)."""
+    """/health and /v1/models answer from the event loop while two long streams decode together in the
+    replica's engine (they never queue behind completions)."""
     wait_for(lambda: stats(server)["admitted"] == 0)  # earlier tests' hung-up streams have let go
     with long_stream(server) as first, long_stream(server) as second:
-        lines, waiting = first.iter_lines(), second.iter_lines()  # kept: dropping one hangs up (httpcore)
+        lines, others = first.iter_lines(), second.iter_lines()  # kept: dropping one hangs up (httpcore)
         next(lines), next(lines)  # the role chunk and a first content chunk: the decode is running
-        next(waiting)  # the role chunk: admitted; it waits for the decode lock
+        next(others), next(others)  # ... and the second's, beside it
         latencies = []
         for _ in range(10):
             start = time.perf_counter()
             assert server.client.get("/health").json()["status"] == "ok"
             latencies.append(time.perf_counter() - start)
         now = stats(server)
-        assert now["running"] == 1 and now["waiting"] == 1
+        assert now["running"] == 2 and now["waiting"] == 0
         assert server.client.get("/v1/models").status_code == 200
     assert sorted(latencies)[len(latencies) // 2] < 1.0, latencies  # generous: a noisy 2-core machine
 
 
 def test_full_queue_sheds_with_retry_after(server):
-    """2 completions admitted (one decoding, one queued): the next is refused at once with 503 +
-    Retry-After and an OpenAI error body; the replica keeps serving."""
+    """2 completions at the replica (decoding together) and 1 waiting in the ingress: the next is
+    refused at once with 503 + Retry-After and an OpenAI error body; the waiting one is answered once a
+    slot frees, and the replica keeps serving."""
     shed_before = wait_for(lambda: stats(server)["admitted"] == 0 and stats(server))["shed"]
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(post(server, GOOD)))
     with long_stream(server) as first, long_stream(server) as second:
         held = first.iter_lines(), second.iter_lines()  # kept: dropping one hangs up (httpcore)
-        next(held[0]), next(held[1])  # the role chunks: both admitted, one decoding, one queued
+        next(held[0]), next(held[1])  # the role chunks: both at the replica, one decoding, one queued
         assert stats(server)["admitted"] == 2
+        waiting.start()
+        wait_for(lambda: stats(server)["ingress"]["waiting"] == 1)
         response = post(server, GOOD)
         error = error_of(response, 503)
         assert response.headers["retry-after"] == str(RETRY_AFTER)
         assert error["type"] == "server_error" and error["code"] == "server_overloaded"
         assert server.client.get("/health").status_code == 200
+        assert not answers  # still waiting for a slot
+    waiting.join(60)
+    assert answers and answers[0].status_code == 200, answers  # the streams hung up: it got a slot
     assert stats(server)["shed"] == shed_before + 1
     wait_for(lambda: stats(server)["admitted"] == 0)
     assert post(server, GOOD).status_code == 200
 
 
 def test_burst_is_shed_not_failed(server):
-    """12 concurrent requests against 2 slots: every answer is 200 or a shed 503 with Retry-After
-    (no 5xx of any other kind), and some of each."""
+    """12 concurrent requests against 2 slots and a queue of 1: every answer is 200 or a shed 503 with
+    Retry-After and an OpenAI error body (no 5xx of any other kind, nothing from Serve's own queues),
+    and some of each."""
 
     def call(i):
         response = post(
@@ -440,7 +449,7 @@ def test_burst_is_shed_not_failed(server):
                 "speculative": False,
             },
         )
-        return response.status_code, response.headers.get("retry-after"), response.text[:300]
+        return response.status_code, response.headers.get("retry-after"), response.text
 
     with ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(call, range(12)))
@@ -448,6 +457,8 @@ def test_burst_is_shed_not_failed(server):
     assert {status for status, _ in results} <= {200, 503}, results
     assert any(status == 200 for status, _ in results) and any(status == 503 for status, _ in results), results
     assert all(retry for status, retry in results if status == 503), [a for a in answers if a[0] == 503 and not a[1]]
+    shed = [text for status, _, text in answers if status == 503]
+    assert all(json.loads(text)["error"]["code"] == "server_overloaded" for text in shed), shed
 
 
 def recent(server, max_tokens):
@@ -455,8 +466,9 @@ def recent(server, max_tokens):
 
 
 def test_abandoned_requests_stop_their_decodes(server):
-    """Non-streaming clients that give up: the decoding one stops at its next round (fewer tokens
-    than its budget), the queued one never decodes; the replica is free again right after."""
+    """Non-streaming clients that give up: each stops at its next round (fewer tokens than its budget),
+    the one decoding beside the other too; the replica is free again right after. (A request that
+    gives up while waiting for an engine slot never decodes: tests/griffin/test_engine.py.)"""
 
     def give_up(max_tokens, timeout):
         body = {
@@ -471,12 +483,12 @@ def test_abandoned_requests_stop_their_decodes(server):
     decoding = threading.Thread(target=give_up, args=(477, 0.6))
     decoding.start()
     wait_for(lambda: stats(server)["running"] == 1, 30)
-    give_up(476, 0.3)  # queued behind the first, gives up first
+    give_up(476, 0.3)  # decodes beside the first, gives up first
     decoding.join()
     first = wait_for(lambda: [r for r in recent(server, 477) if r["outcome"] != "decoding"])[-1]
-    queued = wait_for(lambda: recent(server, 476))[-1]
+    second = wait_for(lambda: [r for r in recent(server, 476) if r["outcome"] != "decoding"])[-1]
     assert first["outcome"] == "abandoned" and 0 < first["tokens"] < 477, first
-    assert queued["outcome"] == "abandoned" and queued["tokens"] == 0, queued
+    assert second["outcome"] == "abandoned" and second["tokens"] < 476, second
     wait_for(lambda: stats(server)["admitted"] == 0, 30)
     assert post(server, GOOD).status_code == 200
 

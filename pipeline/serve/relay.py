@@ -1,0 +1,155 @@
+"""The ingress's side of a completion: its place in the application's admission (``Admission``,
+``Ticket``), its streaming call to a decoder replica (``Call``), and a non-streaming request's wait that
+watches the client (``until_done``). No Serve deployment here: ``pipeline.serve.ingress`` uses these."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentResponseGenerator
+
+from pipeline.serve.errors import Reply
+from pipeline.serve.protocol import ApiError
+from pipeline.serve.sse import sse_error
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+# a call's decoder replica is gone (its actor, worker process or node died) or there is none to call
+REPLICA_LOST = (
+    RayActorError,  # ActorDiedError, ActorUnavailableError
+    WorkerCrashedError,
+    NodeDiedError,
+    ObjectLostError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+)
+
+
+class Admission:
+    """Every completion of the application, counted in its one ingress replica (its event loop: the
+    count is exact, unlike Serve's ``max_queued_requests``, which may refuse a burst while a replica
+    has room). ``slots`` completions (``serve.max_ongoing_requests`` for each decoder replica) are at
+    the decoders at once; up to ``queue`` more wait here, first come first served, for one of those
+    slots to free; the next is refused (``full``)."""
+
+    def __init__(self, slots: int, queue: int):
+        self.slots, self.queue = slots, queue
+        self.admitted, self.sent, self.shed = 0, 0, 0
+        self.permits = asyncio.Semaphore(slots)
+
+    def full(self) -> bool:
+        return self.admitted >= self.slots + self.queue
+
+    @property
+    def waiting(self) -> int:
+        return self.admitted - self.sent
+
+    def enter(self) -> "Ticket":
+        self.admitted += 1
+        return Ticket(self)
+
+    def counters(self) -> dict[str, int]:
+        return {"admitted": self.admitted, "waiting": self.waiting, "slots": self.slots, "queue": self.queue}
+
+
+class Ticket:
+    """One admitted completion: ``wait`` for a decoder slot, ``release`` when its answer is complete
+    (once; every way a request ends calls it)."""
+
+    def __init__(self, admission: Admission):
+        self.admission, self.holds, self.released = admission, False, False
+
+    async def wait(self) -> None:
+        await self.admission.permits.acquire()  # cancelled while waiting: nothing is held
+        self.holds = True
+        self.admission.sent += 1
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.admission.admitted -= 1
+        if self.holds:
+            self.admission.sent -= 1
+            self.admission.permits.release()
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def until_done(work: Awaitable[Any], request: Request, poll_s: float = DISCONNECT_POLL_S) -> Any:
+    """``work``'s result, watching the client meanwhile: when it disconnects (or this coroutine is
+    cancelled: Serve cancels a request whose client left or that timed out), ``work`` is cancelled and
+    the caller cancels the decoder call."""
+    consumer = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({consumer}, timeout=poll_s)
+            if done:
+                return consumer.result()
+            if await _disconnected(request):
+                raise ClientGone
+    finally:
+        consumer.cancel()  # a no-op once it is done
+
+
+async def _disconnected(request: Request) -> bool:
+    try:
+        return await request.is_disconnected()
+    except Exception:  # a receive channel that failed: Serve's own cancellation still applies
+        return False
+
+
+class Call:
+    """One completion's streaming call to the decoder. ``end`` cancels the call when the decoder is not
+    done (its decode stops at the next round; a queued one never starts) and frees the admission ticket:
+    every way a request ends calls it, once."""
+
+    def __init__(
+        self,
+        response: DeploymentResponseGenerator,
+        ticket: Ticket,
+        lost: Callable[[BaseException], ApiError],
+        failed: Callable[[str], ApiError],
+    ):
+        self.response, self.ticket, self.lost, self.failed, self.over = response, ticket, lost, failed, False
+
+    async def first(self) -> Reply:
+        try:
+            reply = await anext(self.response)
+        except BaseException:
+            self.over = True  # the call failed or was refused: nothing runs that cancel could stop
+            raise
+        self.over = not reply.stream  # a whole answer is the decoder's last item
+        return reply
+
+    def end(self) -> None:
+        try:
+            if not self.over:
+                self.over = True
+                self.response.cancel()  # re-raises the call's own error when it has failed: nothing to stop
+        except Exception:
+            pass
+        finally:
+            self.ticket.release()
+
+    async def events(self) -> AsyncIterator[str]:
+        """The rest of a stream, relayed as the decoder yields it. A stream the decoder cannot finish
+        (its replica lost, a bug) ends with an error chunk and [DONE], never by just stopping."""
+        try:
+            async for event in self.response:
+                yield event
+            self.over = True
+        except REPLICA_LOST as error:
+            self.over = True
+            yield sse_error(self.lost(error))
+        except Exception:  # a decoder bug after the 200: report in-band
+            self.over = True
+            yield sse_error(self.failed("the decoder failed mid-stream"))
+        finally:
+            self.end()  # the client left or the request timed out: stop the decode

@@ -1,0 +1,199 @@
+"""The ingress's own rules: API keys and the bind address, the names /v1/models shows, the admission
+count, and a refused call that ends cleanly. The key tests run a deployment with a key set (tiny target,
+random draft, the suite's local Ray); the rest need no server."""
+
+import asyncio
+import json
+import os
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.requests import Request
+
+from tests.conftest import tiny_deployment
+
+from pipeline.config import load_config
+from pipeline.serve.auth import KeyCheck, client_headers, key_digest, require_key
+from pipeline.serve.decoder import public_name
+from pipeline.serve.relay import Admission, Call
+
+TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
+KEY = "sk-test-0123456789abcdef"
+CHAT = "/v1/chat/completions"
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+
+# ---- no server ----
+def serve_section(*overrides: str):
+    return load_config(TINY, list(overrides)).serve
+
+
+def test_a_host_reachable_from_outside_needs_a_key(monkeypatch):
+    """0.0.0.0 without a key refuses to start, naming both ways out; a key, allow_unauthenticated or a
+    loopback host lets it start."""
+    monkeypatch.delenv("GRIFFIN_API_KEY", raising=False)
+    for host in ("0.0.0.0", "'::'", "10.1.2.3", "serve.example.com"):  # quoted: YAML reads :: as a map
+        with pytest.raises(ValueError, match="GRIFFIN_API_KEY") as refused:
+            require_key(serve_section(f"serve.host={host}"))
+        assert "serve.allow_unauthenticated" in str(refused.value)
+    assert require_key(serve_section("serve.host=0.0.0.0", "serve.allow_unauthenticated=true")) is None
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert require_key(serve_section(f"serve.host={host}")) is None
+    monkeypatch.setenv("GRIFFIN_API_KEY", KEY)
+    assert require_key(serve_section("serve.host=0.0.0.0")) == key_digest(KEY)
+    monkeypatch.setenv("OTHER_KEY", "sk-other")  # serve.api_key_env names another variable
+    assert require_key(serve_section("serve.host=0.0.0.0", "serve.api_key_env=OTHER_KEY")) == key_digest("sk-other")
+
+
+def test_start_serve_refuses_before_starting_anything(monkeypatch, tmp_path):
+    from pipeline.serve import lifecycle
+
+    monkeypatch.delenv("GRIFFIN_API_KEY", raising=False)
+    monkeypatch.setattr("pipeline.runtime.ensure_ray", lambda cfg: pytest.fail("Ray was started"))
+    cfg = load_config(TINY, [f"output_dir={tmp_path}", "serve.host=0.0.0.0"])
+    with pytest.raises(ValueError, match="no API key is set"):
+        lifecycle.start_serve(cfg)
+
+
+def test_the_app_admits_in_the_ingress_and_gives_replicas_a_grace_period(monkeypatch, tmp_path):
+    """Completions: max_ongoing_requests per decoder replica (autoscaling: per max_replicas) plus the
+    ingress queue, counted in one ingress replica; Serve's own queues unbounded (they would refuse a
+    burst while a replica has room). Both deployments drain for serve.graceful_shutdown_timeout_s. The
+    ingress is handed the key's digest, never the key."""
+    from pipeline.serve.app import app_builder
+
+    monkeypatch.setenv("GRIFFIN_API_KEY", KEY)
+    overrides = [
+        f"output_dir={tmp_path}",
+        "serve.max_ongoing_requests=2",
+        "serve.max_queued_requests=5",
+        "serve.autoscaling={min_replicas: 1, max_replicas: 3}",
+        "serve.graceful_shutdown_timeout_s=42",
+    ]
+    ingress = app_builder({"config": str(TINY), "overrides": overrides})._bound_deployment
+    decoder_app, edge = ingress.init_args
+    decoder = decoder_app._bound_deployment
+    assert (edge.slots, edge.queue, edge.key_digest) == (6, 5, key_digest(KEY)) and KEY not in repr(ingress.init_args)
+    assert (ingress.num_replicas, ingress.max_ongoing_requests, ingress.max_queued_requests) == (1, 6 + 5 + 16, -1)
+    assert (decoder.max_ongoing_requests, decoder.max_queued_requests) == (6 + 16, -1)
+    assert decoder._deployment_config.graceful_shutdown_timeout_s == 42
+    assert ingress._deployment_config.graceful_shutdown_timeout_s > 42  # outlives a force-killed decoder
+
+
+def test_the_key_is_checked_as_a_bearer_token():
+    def request(header: str | None):
+        headers = [] if header is None else [(b"authorization", header.encode())]
+        return Request({"type": "http", "headers": headers})
+
+    check = KeyCheck(key_digest(KEY))
+    assert check.denied(request(f"Bearer {KEY}")) is None and check.denied(request(f"bearer  {KEY} ")) is None
+    for header in (None, KEY, "Bearer", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer sk-wrong"):
+        denied = check.denied(request(header))
+        assert denied is not None and denied.status_code == 401, header
+        assert denied.headers["www-authenticate"] == "Bearer"
+    assert KeyCheck(None).denied(request(None)) is None  # no key configured: open
+
+
+def test_models_card_names_are_never_machine_paths(tmp_path):
+    draft = tmp_path / "drafts" / "smollm2-135m-instruct" / "griffin"
+    draft.mkdir(parents=True)
+    assert public_name(str(draft)) == "smollm2-135m-instruct/griffin"
+    assert public_name("models:/llama3-griffin/7") == "models:/llama3-griffin/7"
+    assert public_name("runs:/0a1b2c/draft") == "runs:/0a1b2c/draft"
+    assert public_name("meta-llama/Meta-Llama-3-8B-Instruct") == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert public_name("/gone/elsewhere/draft") == "elsewhere/draft" and public_name(None) is None
+
+
+def test_admission_counts_exactly_and_a_refused_call_ends_cleanly():
+    """slots go out at once, queue more wait first come first served, the next is full; a call whose
+    cancel re-raises its own error (Serve's DeploymentResponse.cancel() does, for a refused call) still
+    frees its ticket and raises nothing."""
+
+    class Refused:
+        def cancel(self):
+            raise RuntimeError("the call's own error, raised again")
+
+    async def scenario():
+        admission = Admission(slots=2, queue=1)
+        tickets = [admission.enter() for _ in range(3)]
+        assert admission.full()
+        await tickets[0].wait(), await tickets[1].wait()
+        third = asyncio.ensure_future(tickets[2].wait())
+        await asyncio.sleep(0.01)
+        assert not third.done() and admission.waiting == 1
+        Call(Refused(), tickets[0], None, None).end()  # raises nothing
+        await asyncio.wait_for(third, 1)  # the freed slot went to the one waiting
+        assert (admission.admitted, admission.waiting, admission.full()) == (2, 0, False)
+        tickets[0].release()  # a second release is a no-op
+        for ticket in tickets[1:]:
+            ticket.release()
+        assert admission.admitted == admission.sent == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_bug_is_logged_and_answered_without_its_text(caplog):
+    """After the 200 a failing decode ends its stream with a 500 error chunk and [DONE]; the chunk names
+    a request id, and only the log holds the exception (its text may hold paths or prompts)."""
+    from pipeline.resources.targets import tiny_tokenizer
+    from pipeline.serve.sse import TextStream, sse_stream
+
+    async def items():
+        yield "hel"
+        raise RuntimeError("/srv/models/secret-weights.bin exploded")
+
+    async def events():
+        tokenizer = tiny_tokenizer()
+        text = TextStream(tokenizer, [tokenizer.eos_token_id], [])
+        return [e async for e in sse_stream(items(), text, {"id": "chatcmpl-1"}, True, lambda *a: ("stop", {}))]
+
+    with caplog.at_level("ERROR"):
+        sent = asyncio.run(events())
+    assert sent[-1].endswith("data: [DONE]\n\n") and "hel" in sent[-2]
+    error = json.loads(sent[-1].split("\n\n")[0].removeprefix("data: "))["error"]
+    assert error["status"] == 500 and error["code"] == "internal_error" and "secret" not in sent[-1]
+    request_id = re.search(r"request id (\w+)", error["message"]).group(1)
+    assert any(request_id in r.getMessage() and "exploded" in r.exc_text for r in caplog.records if r.exc_text)
+
+
+# ---- a deployment with a key ----
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, ray_local):
+    before = os.environ.get("GRIFFIN_API_KEY")
+    os.environ["GRIFFIN_API_KEY"] = KEY  # read where the application is built: here, in start_serve
+    try:
+        with tiny_deployment(tmp_path_factory.mktemp("keyed")) as deployment:
+            yield deployment
+    finally:
+        if before is None:
+            os.environ.pop("GRIFFIN_API_KEY", None)
+        else:
+            os.environ["GRIFFIN_API_KEY"] = before
+
+
+def test_every_route_but_health_needs_the_key(keyed):
+    routes = [("GET", "/v1/models", None), ("GET", "/stats", None), ("POST", CHAT, GOOD)]
+    routes.append(("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4}))
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            response = httpx.request(method, f"{keyed.url}{path}", json=body, headers=headers, timeout=60)
+            assert response.status_code == 401, (path, headers, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+            assert KEY not in response.text
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{keyed.url}{CHAT}", json=GOOD, headers=ok, timeout=60).status_code == 200
+    assert httpx.get(f"{keyed.url}/v1/models", headers=ok, timeout=60).status_code == 200
+    assert httpx.get(f"{keyed.url}/health", timeout=60).json()["status"] == "ok"  # open: load balancers
+    assert client_headers(keyed.cfg.serve) == ok  # what the evaluation through Serve sends
+    assert httpx.get(f"{keyed.url}/docs", headers=ok, timeout=60).status_code == 404  # no schema pages
+
+
+def test_models_card_shows_names_not_paths(keyed):
+    card = httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    (model,) = card["data"]
+    assert model["draft"] == "keyed0/draft" and model["target"] == "tiny-llama"
+    text = str(card)
+    assert str(keyed.draft_dir) not in text and not re.search(r"'/[^']", text), card  # no absolute path anywhere
