@@ -161,6 +161,11 @@ class TrainSection(Section):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where native"
     )
+    materialize: bool | Literal["auto"] = Field(
+        default="auto",
+        description="hold the train and held-out rows in Ray's object store, read (or featurized) once for "
+        "every epoch, restart and stage; auto: when they take at most a quarter of the cluster's object store",
+    )
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     eval_steps: int = Field(default=5, ge=1, description="draft steps k of eval/acc_k")
     eval_every: int = Field(default=50, ge=1)

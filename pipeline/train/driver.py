@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import threading
 from collections.abc import Iterator
@@ -32,11 +33,20 @@ from pipeline.runtime import ensure_ray, feature_dataset, recorded_run, setup_ml
 from pipeline.data.integrity import require_unique_ids
 from pipeline.data.store import check_capture_key, part_files
 from pipeline.train import failures
-from pipeline.train.feed import data_config, online_datasets, stored_datasets
+from pipeline.train.feed import (
+    data_config,
+    estimated_bytes,
+    materialize,
+    online_datasets,
+    should_materialize,
+    stored_datasets,
+)
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.targets import draft_feature_layers, load_target, target_fingerprint
 from pipeline.train.worker import SCORE, StageProgress, train_worker
 from pipeline.train.batches import held_out_ids, reduced_vocabulary, store_sample_ids, store_tokens
+
+logger = logging.getLogger(__name__)
 
 
 def stage_dir(cfg: RunConfig, stage: int) -> Path:
@@ -255,10 +265,12 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     files, layers = part_files(cfg.store_path), bool(draft_feature_layers(cfg, target))
     sample_ids = store_sample_ids(cfg.store_path)
     require_unique_ids(cfg.store_path, sample_ids)  # a repeated row would be trained on twice
+    key, tokens = manifest["capture_key"], sum(f["tokens"] for f in manifest["files"])
     return {
         "sample_ids": sample_ids,
         "tokens": lambda: store_tokens(cfg.store_path),
-        "datasets": lambda eval_ids: stored_datasets(files, manifest["capture_key"]["dtype"], layers, eval_ids),
+        "datasets": lambda eval_ids: stored_datasets(files, key["dtype"], layers, eval_ids),
+        "bytes": estimated_bytes(tokens, key["hidden_size"], key["dtype"], len(draft_feature_layers(cfg, target))),
         "sha256": _digest(manifest),
     }
 
@@ -271,12 +283,25 @@ def _online_data(cfg: RunConfig) -> dict[str, Any]:
     key, samples, _ = prepare_samples(cfg)
     if not samples:
         raise ValueError("train.features=online: no conversation of the data selection could be used")
+    tokens, layers = sum(len(s.input_ids) for s in samples), len(key.get("feature_layers", ()))
     return {
         "sample_ids": [s.sample_id for s in samples],
         "tokens": lambda: ((s.sample_id, s.input_ids, s.loss_mask) for s in samples),
         "datasets": lambda eval_ids: online_datasets(cfg, key, samples, eval_ids),
+        "bytes": estimated_bytes(tokens, key["hidden_size"], cfg.features.dtype, layers),
         "sha256": _digest({"capture_key": key, "sample_ids": sorted(s.sample_id for s in samples)}),
     }
+
+
+def _datasets(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[str, Any]:
+    """The stages' ``train`` and ``eval`` datasets, materialized when ``train.materialize`` says so
+    (``pipeline.train.feed``): built when the first stage to run starts, so that a rerun whose stages
+    are all complete reads nothing."""
+    datasets = data["datasets"](eval_ids)
+    if not should_materialize(cfg.train.materialize, data["bytes"]):
+        return datasets
+    logger.info("train: materializing the train and held-out rows (~%.1f MB) for every epoch", data["bytes"] / 1e6)
+    return materialize(datasets)
 
 
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
@@ -298,7 +323,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
             reply_only=cfg.draft.vocab_from == "reply",
         ).tolist()
     context = {
-        "datasets": data["datasets"](eval_ids),
+        "datasets": None,  # built for the first stage that runs
         "provenance": {
             "store": cfg.store_path if cfg.train.features == "offline" else None,
             "features": cfg.train.features,
@@ -315,6 +340,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
         if read_marker(done) is not None:
             say(f"[train] stage {item.stage} already complete: {done.parent / 'best'}")
         elif stage is None or item.stage == stage:
+            context["datasets"] = context["datasets"] or _datasets(cfg, data, eval_ids)
             _run_stage(cfg, item, init_dir, d2t if init_dir is None else None, context)
         elif stage is not None and item.stage < stage:
             raise ValueError(

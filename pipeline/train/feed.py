@@ -1,7 +1,7 @@
 """A training stage's input as Ray Data datasets, split across the Ray Train workers.
 
-``train.features: offline`` reads the feature store: ``ray.data.read_parquet`` over its parts, only
-the columns the draft reads (a single-feature draft never reads the multi-layer column).
+``train.features: offline`` reads the feature store: a Ray Data task per part file of the manifest,
+only the columns the draft reads (a single-feature draft never reads the multi-layer column).
 ``online`` computes the same rows as training reads them: the featurize stage's target actors
 (``PartFeatures``, with featurize's pool size and resources) run over the same planned parts a
 featurize would write, and nothing is stored. Either way the held-out rows (by sample id) form the
@@ -11,6 +11,12 @@ cut into ``ROWS_PER_BLOCK``-row blocks.
 ``data_config()`` splits both with ``streaming_split(world, equal=True)`` (Ray Train's
 ``DataConfig``), so each rank reads ~1/world of the rows, with ``preserve_order`` so that the same
 rows reach the same rank in the same order on every attempt (exact resume; ``pipeline.train.batches``).
+
+A split runs its dataset anew for every epoch, worker-group restart and stage: offline that reads the
+parts again, online it starts the target actors again (each loads the target) and recomputes every
+feature. ``materialize()`` runs both datasets once on the driver instead (``train.materialize``;
+``auto``: when ``estimated_bytes`` fits a quarter of the object store); the splits then hand out the
+same blocks in the same order, so ranks receive exactly the rows a streamed run gives them.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
 ROWS_PER_BLOCK = 16
+MATERIALIZE_SHARE = 0.25  # of the cluster's object-store memory: Ray Data's own streaming needs the rest
 
 
 def data_config():
@@ -67,11 +75,21 @@ def _split(base, eval_ids: set[str]) -> dict[str, Any]:
     return {"train": split(False), **({"eval": split(True)} if ids else {})}
 
 
+def read_parts(batch: pa.Table, columns: list[str]) -> pa.Table:
+    """``columns`` of the part files named in ``batch`` (its ``file`` column), in that order."""
+    return pa.concat_tables([pq.read_table(f, columns=columns) for f in batch["file"].to_pylist()])
+
+
 def stored_datasets(files: list[str], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
-    """``train`` and ``eval`` datasets of the store's part ``files``."""
+    """``train`` and ``eval`` datasets of the store's part ``files``, a read task per part, in order.
+    Not ``ray.data.read_parquet``: every execution of it (a split runs one per epoch) first lists the
+    files through a pool of footer-reading actors (32 in Ray 2.60), whose start-up took 10-15 s per
+    epoch on a small machine, to find files that the manifest already names."""
     import ray
 
-    base = ray.data.read_parquet(files, columns=feature_columns(dtype, layers), override_num_blocks=len(files))
+    parts = ray.data.from_items([{"file": f} for f in files], override_num_blocks=len(files))
+    columns = feature_columns(dtype, layers)
+    base = parts.map_batches(read_parts, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": columns})
     return _split(base, eval_ids)
 
 
@@ -97,3 +115,30 @@ def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids
         return reblock(part_actor_dataset(cfg, PartFeatures, [pack_part(p) for p in parts if p], kwargs))
 
     return {"train": dataset(False), **({"eval": dataset(True)} if eval_ids else {})}
+
+
+def estimated_bytes(tokens: int, hidden_size: int, dtype: str, layers: int) -> int:
+    """The in-memory size of ``tokens`` positions of the columns training reads: ids (int32) and mask
+    (uint8), then H values per feature vector (the final feature and each of ``layers`` feature
+    layers), 2 bytes each in bf16, or 1 byte plus a float32 scale per position in fp8."""
+    per_vector = hidden_size + 4 if dtype == "fp8" else 2 * hidden_size
+    return tokens * (5 + (1 + layers) * per_vector)
+
+
+def should_materialize(setting: bool | str, size: int) -> bool:
+    """``train.materialize``: yes, no, or (auto) when ``size`` bytes fit ``MATERIALIZE_SHARE`` of the
+    cluster's object-store memory (spilling a larger one to disk would cost more than re-reading)."""
+    if setting != "auto":
+        return bool(setting)
+    import ray
+
+    return size <= MATERIALIZE_SHARE * ray.cluster_resources().get("object_store_memory", 0)
+
+
+def materialize(datasets: dict[str, Any]) -> dict[str, Any]:
+    """Each dataset run once, in order, its blocks held in the object store for as long as the
+    returned datasets live (one block per bundle, as the stream delivers them: the split assigns rows
+    to ranks as it would from the stream)."""
+    for dataset in datasets.values():
+        dataset.context.execution_options.preserve_order = True
+    return {name: dataset.materialize() for name, dataset in datasets.items()}

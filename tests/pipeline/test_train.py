@@ -197,6 +197,47 @@ def test_rerun_skips_completed_stages(schedule_run, capsys):
     assert capsys.readouterr().out.count("already complete") == 3
 
 
+def split_ids(dataset, epochs: int = 2) -> list[list[list[str]]]:
+    """The sample ids each of two ranks reads from ``dataset`` in each epoch, as Ray Train splits it."""
+    import threading
+
+    dataset.context.execution_options.preserve_order = True
+    splits, seen = dataset.streaming_split(2, equal=True), [[], []]
+
+    def read(rank):  # every split must ask before an epoch starts: the ranks read side by side
+        for _ in range(epochs):
+            tables = splits[rank].iter_batches(batch_size=None, batch_format="pyarrow")
+            seen[rank].append([sid for table in tables for sid in table.column("sample_id").to_pylist()])
+
+    threads = [threading.Thread(target=read, args=(rank,)) for rank in (0, 1)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    return seen
+
+
+def test_materialized_datasets_reach_the_ranks_as_streamed_ones(store):
+    """``train.materialize`` changes where rows wait, not which rank reads which: the splits of the
+    materialized datasets hold the streamed splits' rows in the same order, every epoch, so an attempt
+    resumes exactly whichever way the interrupted one read. ``auto``: what fits a quarter of the
+    object store."""
+    import ray
+
+    from pipeline.data.store import part_files, read_manifest
+    from pipeline.train.feed import materialize, should_materialize, stored_datasets
+
+    _, _, store_path = store
+    files, dtype = part_files(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    # all 40 rows: blocks of 16, 16 and 8, which the split hands out whole and then equalizes, 20 a rank
+    (streamed,) = stored_datasets(files, dtype, False, set()).values()
+    (held,) = materialize(stored_datasets(files, dtype, False, set())).values()
+    ranks = split_ids(streamed)
+    assert split_ids(held) == ranks
+    assert ranks[0][0] == ranks[0][1] and len(ranks[0][0]) == 20 and not set(ranks[0][0]) & set(ranks[1][0])
+    room = ray.cluster_resources()["object_store_memory"]
+    assert should_materialize("auto", int(0.25 * room)) and not should_materialize("auto", int(0.26 * room))
+    assert should_materialize(True, 10 * int(room)) and not should_materialize(False, 0)
+
+
 def test_bad_configs_fail_clearly(store, tmp_path):
     with pytest.raises(ValueError, match="draft.variant"):
         train_cfg(store, "bad", "draft.variant=medusa")
