@@ -258,7 +258,8 @@ class BatchEngine:
             tokens[b, : t.size], depths[b, : t.size] = t.tokens, t.depths
             block[b, : t.size, : t.size] = t.mask
         starts, width = self.cache.slots.begin(0, B, N)
-        mask = row_mask(starts, block, width)  # (B, N, W)
+        # one token per row at a common length: transformers' own causal mask is exact (and cheaper)
+        mask = None if N == 1 and self.cache.slots.uniform else row_mask(starts, block, width)  # (B, N, W)
         return self.target.forward(tokens, self.cache, starts[:, None] + depths, mask, feature_layers=self.layers)
 
     def _accept_and_commit(self, trees: list[DraftTree], logits: Tensor) -> list[list[int]]:
