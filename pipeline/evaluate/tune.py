@@ -200,16 +200,7 @@ def run_tune_tree(
 
     best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
     progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
-    policy, policy_curve = measure_policy(
-        target,
-        draft_model,
-        [ids[0].tolist() for ids in calibration],
-        candidate_trees([asdict(c) for c in ranked]),
-        cfg.decode.tune_batches,
-        min(max_new_tokens, POLICY_MAX_NEW),
-        reps=1,
-    )
-    policy[1] = best.tree  # a lone request decodes with the searched tree, as evaluation does
+    policy, policy_curve = serving_policy(cfg, target, draft_model, calibration, ranked, best, max_new_tokens)
     settings = tune_settings(cfg, draft_uri, prompts, max_new_tokens)
     result = {
         "key": reuse_key(settings),  # what a later run compares to reuse this tuning (``reusable_tuning``)
@@ -245,6 +236,26 @@ def run_tune_tree(
         "expected_speedup": round(result["expected_speedup"], 3),
         "report": str(out),
     }
+
+
+def serving_policy(
+    cfg: RunConfig,
+    target: Any,
+    draft: Any,
+    calibration: list[torch.Tensor],
+    ranked: list[Candidate],
+    best: Candidate,
+    max_new: int,
+) -> tuple[dict[int, TreeConfig | None], list[dict[str, Any]]]:
+    """decode.policy measured on the calibration prompts (pipeline.evaluate.batch_policy); a lone
+    request keeps the searched tree, as evaluation decodes with it."""
+    prompts = [ids[0].tolist() for ids in calibration]
+    trees = candidate_trees([asdict(c) for c in ranked])
+    policy, curve = measure_policy(
+        target, draft, prompts, trees, cfg.decode.tune_batches, min(max_new, POLICY_MAX_NEW), reps=1
+    )
+    policy[1] = best.tree
+    return policy, curve
 
 
 def write_tune_report(out: Path, result: dict[str, Any]) -> None:
