@@ -38,6 +38,7 @@ from pipeline.data.layout import (
     location_fs,
     part_index,
     part_order,
+    parts_dataset,
     utc_now,
 )
 
@@ -322,10 +323,8 @@ def part_files(store: str) -> list[str]:
 
 # ---- reading -------------------------------------------------------------------------------
 def ray_dataset(store: str):
-    """A Ray Dataset of the store's rows (complete stores only)."""
-    import ray
-
-    return ray.data.read_parquet(part_files(store))
+    """A Ray Dataset of the store's rows (complete stores only), a read task per part."""
+    return parts_dataset(part_files(store))
 
 
 def _lists(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -25,9 +25,9 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig
+from pipeline.data.layout import parts_dataset
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
 ROWS_PER_BLOCK = 16
@@ -75,22 +75,10 @@ def _split(base, eval_ids: set[str]) -> dict[str, Any]:
     return {"train": split(False), **({"eval": split(True)} if ids else {})}
 
 
-def read_parts(batch: pa.Table, columns: list[str]) -> pa.Table:
-    """``columns`` of the part files named in ``batch`` (its ``file`` column), in that order."""
-    return pa.concat_tables([pq.read_table(f, columns=columns) for f in batch["file"].to_pylist()])
-
-
 def stored_datasets(files: list[str], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
-    """``train`` and ``eval`` datasets of the store's part ``files``, a read task per part, in order.
-    Not ``ray.data.read_parquet``: every execution of it (a split runs one per epoch) first lists the
-    files through a pool of footer-reading actors (32 in Ray 2.60), whose start-up took 10-15 s per
-    epoch on a small machine, to find files that the manifest already names."""
-    import ray
-
-    parts = ray.data.from_items([{"file": f} for f in files], override_num_blocks=len(files))
-    columns = feature_columns(dtype, layers)
-    base = parts.map_batches(read_parts, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": columns})
-    return _split(base, eval_ids)
+    """``train`` and ``eval`` datasets of the store's part ``files``, a read task per part, in order
+    (``pipeline.data.layout.parts_dataset``)."""
+    return _split(parts_dataset(files, feature_columns(dtype, layers)), eval_ids)
 
 
 def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: set[str]) -> dict[str, Any]:
