@@ -18,6 +18,7 @@ generator. Shape legend: B active rows, N tree nodes, D_f target features, V voc
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from griffin.decode import (
 )
 from griffin.model import GriffinDraft
 from griffin.rows import RowCache, row_mask
+from griffin.static import MIN_BUCKET, decode_mode, mark_static
 from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import DraftTree, catch_up_rows, draft_rows, root_tree
 from griffin.verify import next_token, verify
@@ -107,10 +109,15 @@ class BatchEngine:
         self.lock = threading.Condition()
         widest = max((t.total_tokens for t in policy.trees.values() if t), default=1)
         self.tree_slack = widest + max(((t.depth - 1) * t.top_k for t in policy.trees.values() if t), default=0)
+        # compiled decoding (griffin.static) follows the target: compile_decoding() at load
+        self.compiled = target.compiled_forward is not None
+        if self.compiled and draft is not None:
+            draft.compile_decoding()
         self.cache = target.new_row_cache(max_rows, 64)
         self.draft_cache = None
         if draft is not None:
             self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, 64, draft.param_dtype, target.device)
+        self._mark_static()
         self.rounds, self.last_batch = 0, 0
 
     # ---- requests ----
@@ -141,10 +148,24 @@ class BatchEngine:
         while self.busy:
             self.step()
 
+    def warm_up(self, batches: list[int]) -> None:
+        """Compile and capture the decode steps before anything is timed or served (a no-op unless
+        decoding is compiled; call it from the thread that will decode: CUDA graphs are per thread).
+        Each batch size decodes through two width buckets (griffin.static), in drafting rounds and
+        in plain ones. Synthetic prompts; the outputs are dropped."""
+        if not self.compiled:
+            return
+        greedy = SamplingConfig()
+        for batch in batches:
+            for speculative in (True, False):
+                for b in range(batch):
+                    prompt = list(range(1, 17 + b))
+                    self.submit(DecodeRequest(prompt, greedy, 2 * MIN_BUCKET, stop_token_ids=[], speculative=speculative))
+                self.run_until_idle()
+
     # ---- one round ----
-    @torch.inference_mode()
     def step(self) -> None:
-        with decode_attention(self.target.device):
+        with decode_mode(self.compiled), decode_attention(self.target.device):
             self._drop_cancelled_waiting()
             if self.waiting and len(self.rows) < self.max_rows:
                 with self.lock:
@@ -195,10 +216,18 @@ class BatchEngine:
         """Room for a request of ``need`` positions (prompt + new tokens) plus a tree; growing doubles.
         The draft's rows also hold a catch-up padded to the longest pending run (at most a capacity)."""
         need += self.tree_slack + 1
-        if need > self.cache.capacity:
-            self.cache.ensure_capacity(max(need, 2 * self.cache.capacity))
+        if need <= self.cache.capacity:
+            return
+        self.cache.ensure_capacity(max(need, 2 * self.cache.capacity))
         if self.draft_cache is not None:
             self.draft_cache.ensure_capacity(2 * self.cache.capacity)
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """Compiled decoding on CUDA writes the KV buffers inside its graphs: they keep their address
+        until they grow (a new capture then)."""
+        if self.compiled:
+            mark_static(self.cache.buffers() + (self.draft_cache.buffers() if self.draft_cache is not None else []))
 
     def _round(self) -> None:
         rows, device = self.rows, self.target.device
@@ -242,10 +271,10 @@ class BatchEngine:
             tokens[b, : counts[b]] = row.pending_tokens
             row.pending_features = row.pending_tokens = None
         with record_function("griffin.draft.catch_up"):
-            P, R = catch_up_rows(self.draft, self.draft_cache, features, tokens, counts)  # (B, D)
+            P, R = catch_up_rows(self.draft, self.draft_cache, features, tokens, counts, self.compiled)  # (B, D)
         roots = torch.tensor([row.root for row in rows], device=device)
         with record_function("griffin.draft_tree"):
-            trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree)
+            trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree, self.compiled)
         return [t if row.request.speculative else root_tree(t.tokens[:1]) for row, t in zip(rows, trees)]
 
     def _verify_forward(self, trees: list[DraftTree]) -> tuple[Tensor, Tensor]:
@@ -257,10 +286,13 @@ class BatchEngine:
         for b, t in enumerate(trees):
             tokens[b, : t.size], depths[b, : t.size] = t.tokens, t.depths
             block[b, : t.size, : t.size] = t.mask
-        starts, width = self.cache.slots.begin(0, B, N)
-        # one token per row at a common length: transformers' own causal mask is exact (and cheaper)
+        starts, width = self.cache.slots.begin(0, B, N, static=self.compiled)
+        # one token per row at a common length: transformers' own causal mask is exact (and cheaper);
+        # never when compiled (uniform is then False): its size would come from Python-side lengths
         mask = None if N == 1 and self.cache.slots.uniform else row_mask(starts, block, width)  # (B, N, W)
-        return self.target.forward(tokens, self.cache, starts[:, None] + depths, mask, feature_layers=self.layers)
+        return self.target.forward(
+            tokens, self.cache, starts[:, None] + depths, mask, feature_layers=self.layers, compiled=self.compiled
+        )
 
     def _accept_and_commit(self, trees: list[DraftTree], logits: Tensor) -> list[list[int]]:
         """Per row: the accepted nodes (root first) then the next token, as [0, a1, .., aA, next];
@@ -323,10 +355,37 @@ def generate_batch(
     max_rows: int | None = None,
 ) -> list[GenerationResult]:
     """Decode ``requests`` together (offline use and tests); results in request order."""
-    engine = BatchEngine(target, draft, policy, max_rows or len(requests))
-    rows = [engine.submit(request) for request in requests]
-    engine.run_until_idle()
+    with _engine_for(target, draft, policy, max_rows or len(requests)) as engine:
+        rows = [engine.submit(request) for request in requests]
+        engine.run_until_idle()
     for row in rows:
         if row.error is not None:
             raise row.error
     return [row.result for row in rows]
+
+
+@contextlib.contextmanager
+def _engine_for(target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy, max_rows: int):
+    """An idle engine for one offline decode. Compiled decoding keeps one per (draft, policy, rows) on
+    the target and reuses it: CUDA graphs are captured over the engine's KV buffers, and a new engine
+    per call (an evaluation's every question) would capture them again. Eager decoding, or a
+    reusable engine already in use by another thread, gets a fresh one."""
+    if target.compiled_forward is None:
+        yield BatchEngine(target, draft, policy, max_rows)
+        return
+    key = (id(draft), tuple((size, tree and tree.model_dump_json()) for size, tree in policy.trees.items()), max_rows)
+    pool = target.__dict__.setdefault("idle_engines", {})
+    engine, lock = pool.get(key) or pool.setdefault(key, (BatchEngine(target, draft, policy, max_rows), threading.Lock()))
+    if not lock.acquire(blocking=False):
+        yield BatchEngine(target, draft, policy, max_rows)
+        return
+    try:
+        yield engine
+    finally:
+        lock.release()
+
+
+def warm_up(target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy) -> None:
+    """``BatchEngine.warm_up`` for the engine that ``generate_batch`` then decodes a lone request with."""
+    with _engine_for(target, draft, policy, 1) as engine:
+        engine.warm_up([1])

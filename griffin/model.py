@@ -407,6 +407,23 @@ class GriffinDraft(nn.Module):
         return self.layer(*inputs[-1], x_kv, rope_q, rope_kv, mask)
 
     # ---- decoding: one cached step ----------------------------------------------------
+    def compile_decoding(self) -> None:
+        """Compile ``step`` for decoding (griffin.static): ``step_compiled`` runs the graph, captured
+        once per process. Kept out of the module's state (not a submodule)."""
+        from griffin.static import compile_step
+
+        if self.__dict__.get("compiled_step") is None:
+            self.__dict__["compiled_step"] = compile_step(self.step, self.head_weight.device)
+
+    def step_compiled(self, *args: Any) -> tuple[Tensor, Tensor]:
+        """``step`` through its compiled graph (``compile_decoding``; a static-shape step of a
+        griffin.rows.RowCache, under ``torch.no_grad``)."""
+        from griffin.static import step_begin
+
+        step_begin(self.head_weight.device)
+        # expanded views (stride 0: a level's shared positions) would each be a new graph
+        return self.__dict__["compiled_step"](*(a.contiguous() if isinstance(a, Tensor) else a for a in args))
+
     def step(
         self, features: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor
     ) -> tuple[Tensor, Tensor]:

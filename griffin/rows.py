@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from griffin.static import width_bucket
+
 
 def row_mask(lengths: Tensor, block: Tensor, width: int) -> Tensor:
     """Each row sees its prefix [0, length_b) and, from column length_b on, its own ``block``.
@@ -36,25 +38,31 @@ class RowSlots:
     appending ``new`` entries. Lengths live in Python (no device sync to read them); ``uniform``
     forwards (one row, or rows of equal length) write and compact with slices, not index tensors."""
 
-    def __init__(self, slots: int, device: torch.device):
+    def __init__(self, slots: int, capacity: int, device: torch.device):
         self.lengths = [0] * slots
-        self.device = device
+        self.capacity, self.device = capacity, device
         self.lo, self.hi, self.new, self.width = 0, 0, 0, 0
-        self.cols: Tensor | None = None  # (B, T) the columns a non-uniform forward writes
+        self.static = False  # the forward in progress is a compiled one (griffin.static)
+        self.cols: Tensor | None = None  # (B, T) the columns a non-uniform or static forward writes
 
-    def begin(self, lo: int, hi: int, new: int) -> tuple[Tensor, int]:
-        """Starts a forward over rows [lo, hi) appending ``new`` entries each: (starts (B,), width)."""
-        self.lo, self.hi, self.new = lo, hi, new
+    def begin(self, lo: int, hi: int, new: int, static: bool = False) -> tuple[Tensor, int]:
+        """Starts a forward over rows [lo, hi) appending ``new`` entries each: (starts (B,), width).
+        ``static`` (a compiled forward): the width is bucketed (griffin.static.width_bucket) and
+        every write goes through column indices, so the forward's shapes hold for a whole bucket."""
+        self.lo, self.hi, self.new, self.static = lo, hi, new, static
         starts = self.lengths[lo:hi]
         self.width = max(starts) + new
+        if static:
+            self.width = width_bucket(self.width, self.capacity)
         starts_t = torch.tensor(starts, device=self.device)
         self.cols = None if self.uniform else starts_t[:, None] + torch.arange(new, device=self.device)
         return starts_t, self.width
 
     @property
     def uniform(self) -> bool:
+        """Every row of the forward starts at one column (slice writes); never for a static forward."""
         starts = self.lengths[self.lo : self.hi]
-        return min(starts) == max(starts)
+        return min(starts) == max(starts) and not self.static
 
     def rows(self) -> Tensor:
         """(B, 1) the slot index of each row of the forward."""
@@ -149,7 +157,7 @@ class RowCache(Cache):
     """Every layer's ``RowTensors`` plus the shared ``RowSlots``: the KV of S request slots."""
 
     def __init__(self, shapes: list[tuple[int, int, int, int]], dtype: torch.dtype, device: torch.device):
-        self.slots = RowSlots(shapes[0][0], device)
+        self.slots = RowSlots(shapes[0][0], shapes[0][2], device)
         self.tensors = [RowTensors(shape, dtype, device) for shape in shapes]
         super().__init__(layers=[RowLayer(t, self.slots) for t in self.tensors])
 
@@ -170,6 +178,11 @@ class RowCache(Cache):
         if capacity > self.capacity:
             for tensors in self.tensors:
                 tensors.grow(capacity)
+            self.slots.capacity = capacity
+
+    def buffers(self) -> list[Tensor]:
+        """Every layer's key and value buffers (griffin.static.mark_static)."""
+        return [t for tensors in self.tensors for t in (tensors.keys, tensors.values)]
 
     def advance(self, lo: int, counts: list[int], written: int) -> None:
         """Rows [lo, lo + B) keep the first ``counts`` of the ``written`` entries they just appended;

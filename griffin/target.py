@@ -205,6 +205,7 @@ class TargetAdapter:
         self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
         self.revision = revision  # the hub revision it was loaded at (lineage); None: the default or not the hub
         self.packed = False  # see prepack()
+        self.compiled_forward: Callable | None = None  # see compile_decoding()
         self._weights_sha256: str | None = None
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -330,7 +331,14 @@ class TargetAdapter:
         return RowCache(shapes, self.dtype, self.device)
 
     # ---- forward passes ----------------------------------------------------------------
-    @torch.inference_mode()
+    def compile_decoding(self) -> None:
+        """Compile the decode step (griffin.static): ``forward(..., compiled=True)`` then runs the
+        compiled graph, captured once per process (a CUDA graph on CUDA)."""
+        from griffin.static import compile_step
+
+        if self.compiled_forward is None:
+            self.compiled_forward = compile_step(self._forward, self.device)
+
     def forward(
         self,
         tokens: Tensor,  # (B, T); B > 1 with a griffin.rows.RowCache only
@@ -339,11 +347,33 @@ class TargetAdapter:
         mask: Tensor | None = None,  # (T, S) or per row (B, T, S) bool over cache + new tokens; default: causal
         all_logits: bool = True,
         feature_layers: tuple[int, ...] | None = None,
+        compiled: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Runs the target on ``tokens`` after the cached prefix; appends their KV.
         Returns features and logits (B, T, V) (or (B, 1, V) for the last). Features: the post-norm
         last layer (B, T, D), or with ``feature_layers`` those hidden states (HF indices: 0 = the
-        embeddings, i = after layer i) concatenated, (1, T, k*D), what a multi-layer draft reads."""
+        embeddings, i = after layer i) concatenated, (1, T, k*D), what a multi-layer draft reads.
+        ``compiled``: through the compiled step (``compile_decoding``; a static-shape forward of a
+        griffin.rows.RowCache with an explicit mask, under ``torch.no_grad``)."""
+        if compiled:
+            from griffin.static import step_begin
+
+            step_begin(self.device)
+            return self.compiled_forward(tokens, cache, positions, mask, all_logits, feature_layers)
+        # a caller already without autograd keeps its mode: a compiled engine runs under no_grad, and
+        # inference tensors from here would be inputs its compiled steps cannot take
+        with torch.inference_mode() if torch.is_grad_enabled() else contextlib.nullcontext():
+            return self._forward(tokens, cache, positions, mask, all_logits, feature_layers)
+
+    def _forward(
+        self,
+        tokens: Tensor,
+        cache: Cache,
+        positions: Tensor | None,
+        mask: Tensor | None,
+        all_logits: bool,
+        feature_layers: tuple[int, ...] | None,
+    ) -> tuple[Tensor, Tensor]:
         if positions is None:
             positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=self.device)
         attn = None

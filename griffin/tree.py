@@ -107,28 +107,31 @@ def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, dep
 
 # ---- several requests at once (griffin.engine): rows [0, B) of a griffin.rows.RowCache ----------------
 def catch_up_rows(
-    draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: list[int]
+    draft: GriffinDraft, cache, features: Tensor, tokens: Tensor, counts: list[int], compiled: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``catch_up`` for rows [0, B): row b feeds its first counts_b pairs of features (B, T, D_f) and
     tokens (B, T) (padded to T); the padding's entries are dropped again. Returns P, R of each row's
-    last real pair: (B, D) each."""
+    last real pair: (B, D) each. ``compiled``: the draft's compiled step (griffin.static)."""
     B, T = tokens.shape
-    starts, width = cache.slots.begin(0, B, T)
+    starts, width = cache.slots.begin(0, B, T, static=compiled)
     positions = starts[:, None] + torch.arange(T, device=tokens.device)  # (B, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
     mask = row_mask(starts, causal, width)[:, None]  # (B, 1, T, W)
-    P, R = draft.step(draft.fuse_target(features), tokens, positions, cache, mask)  # (B, T, D)
+    step = draft.step_compiled if compiled else draft.step
+    P, R = step(draft.fuse_target(features), tokens, positions, cache, mask)  # (B, T, D)
     cache.advance(0, counts, T)
     last = torch.tensor(counts, device=P.device) - 1  # (B,)
     rows = torch.arange(B, device=P.device)
     return P[rows, last], R[rows, last]
 
 
-@torch.inference_mode()
-def draft_rows(draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, cfg: TreeConfig) -> list[DraftTree]:
+def draft_rows(
+    draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, cfg: TreeConfig, compiled: bool = False
+) -> list[DraftTree]:
     """``draft_tree``'s levels for rows [0, B) at once, from each row's last caught-up P, R (B, D)
     and its root token roots (B,); one tree per row. The tree's entries are dropped from the cache
-    at the end (zeroed: griffin.rows' invariant)."""
+    at the end (zeroed: griffin.rows' invariant). Runs in the caller's autograd mode (the engine's:
+    griffin.static.decode_mode); ``compiled``: the draft's compiled step."""
     B, K, device = roots.shape[0], cfg.top_k, roots.device
     if cfg.total_tokens == 1:
         return [root_tree(roots[b : b + 1]) for b in range(B)]
@@ -142,13 +145,14 @@ def draft_rows(draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, 
     node_features = R[:, None].expand(B, K, R.shape[-1])  # (B, K, D)
     node_anc = torch.zeros(B, K, 0, dtype=torch.bool, device=device)  # (B, K, E)
     eye = torch.eye(K, dtype=torch.bool, device=device).expand(B, K, K)
+    step = draft.step_compiled if compiled else draft.step
     for level in range(2, cfg.depth + 1):
         tree_rows = torch.cat([node_anc, eye], dim=2)  # (B, K, E+K)
-        _, width = cache.slots.begin(0, B, K)
+        _, width = cache.slots.begin(0, B, K, static=compiled)
         mask = row_mask(stable_t, tree_rows, width)[:, None]  # (B, 1, K, W)
         positions = (stable_t + level - 2)[:, None].expand(B, K)
         with record_function("griffin.draft.level_step"):
-            P_l, R_l = draft.step(node_features, node_tokens, positions, cache, mask)  # (B, K, D)
+            P_l, R_l = step(node_features, node_tokens, positions, cache, mask)  # (B, K, D)
         cache.advance(0, [K] * B, K)
         child_lp, child_tokens = _top_k_log_probs(draft, P_l, K)  # (B, K, K)
         cand_scores = (scores[:, :, None] + child_lp).flatten(1)  # (B, K*K); candidate c's parent is c // K

@@ -270,9 +270,15 @@ class ServeSection(Section):
 
 
 class DecodeSection(Section):
-    """How the target decodes with a draft: the one tree that serve and eval use."""
+    """How the target decodes with a draft: the tree (and, per batch size, the policy) that serve and
+    eval use, how tune-tree searches them, and whether the decode steps run compiled."""
 
     tree: TreeConfig = Field(default_factory=TreeConfig)
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="run the decode steps as compiled static-shape graphs (griffin.static; CUDA graphs on "
+        "a GPU): auto = on for CUDA, off on CPU; on = also on CPU (inductor); off = eager",
+    )
     tune: bool = Field(
         default=False,
         description="griffin run: pick the tree with griffin tune-tree on this machine "

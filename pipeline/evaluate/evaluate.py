@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from griffin.checkpoint import tensors_sha256
+from griffin.engine import SpeculationPolicy, warm_up
 from pipeline.files import atomic_write_json, atomic_write_text, finished, reuse_key
 from pipeline.config import RunConfig
 from pipeline.console import Progress, say
@@ -245,7 +246,12 @@ def _differs(spec: Output, vanilla: Output) -> bool:
     return spec.text != vanilla.text
 
 
-def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig) -> None:
+def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig, drafts: dict[str, Any]) -> None:
+    """Untimed: compiled decode steps are captured (griffin.engine.warm_up), then each method decodes once."""
+    if not cfg.eval.through_serve:
+        warm_up(target, None, SpeculationPolicy({1: None}))
+        for draft in drafts.values():
+            warm_up(target, draft, SpeculationPolicy({1: cfg.eval_tree}))
     messages = [{"role": "user", "content": "Say hello."}]
     prompt_ids = render_chat(target.tokenizer, messages)
     for method in methods.values():
@@ -255,7 +261,7 @@ def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig) -> None:
 def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) -> dict[str, Any]:
     """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary.
     With ``reuse_finished`` (``griffin run``), a finished evaluation with the same key is not redone."""
-    target = load_target(cfg.target, decoding=True)
+    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile)
     questions = {name: load_questions(name, cfg.eval.num_questions) for name in cfg.eval.datasets}
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
     drafts = load_drafts(cfg, target, draft_model)
@@ -272,7 +278,7 @@ def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) ->
     if ledger.resumed:
         logger.warning("resuming an unfinished evaluation: %d questions done in an earlier run", ledger.resumed)
     try:
-        _warm_up(methods, target, cfg)
+        _warm_up(methods, target, cfg, drafts)
         records = [
             record
             for name, items in questions.items()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from griffin.assets import ASSETS, default_cache_dir, prepare_asset, resolve_target_path
+from griffin.static import compile_enabled
 from griffin.target import TargetAdapter, resolve_dtype
 from pipeline.config import RunConfig, TargetSection
 
@@ -70,9 +71,12 @@ def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0)
     return TargetAdapter(model, tokenizer, name="tiny-llama")
 
 
-def load_target(section: TargetSection, decoding: bool = False, device: str | None = None) -> TargetAdapter:
-    """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``.
-    ``device`` places it elsewhere than ``section.device``, in the dtype resolved for that one."""
+def load_target(
+    section: TargetSection, decoding: bool = False, device: str | None = None, compile: str = "off"
+) -> TargetAdapter:
+    """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``
+    and ``compile`` (``decode.compile``: griffin.static). ``device`` places it elsewhere than
+    ``section.device``, in the dtype resolved for that one."""
     dtype = resolve_dtype(section.dtype, section.device)
     device = device or section.device
     if section.tiny is not None:
@@ -84,6 +88,8 @@ def load_target(section: TargetSection, decoding: bool = False, device: str | No
         target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device, revision=section.revision)
     if decoding and section.prepack:
         target.prepack()
+    if decoding and compile_enabled(compile, target.device):
+        target.compile_decoding()
     return target
 
 

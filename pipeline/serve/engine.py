@@ -43,11 +43,22 @@ class ReplicaEngine:
     ):
         self.engine = BatchEngine(target, draft, policy, max_rows)
         self.on_round = on_round  # called with each round's row count (the batch-size metric)
-        self.stopping = threading.Event()
+        self.stopping, self.warm = threading.Event(), threading.Event()
+        self.warm_up_error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="griffin-engine", daemon=True)
         self.thread.start()
+        self.warm.wait()  # the replica is ready once its compiled steps are captured (a no-op when eager)
+        if self.warm_up_error is not None:
+            raise self.warm_up_error
 
     def _loop(self) -> None:
+        try:  # on this thread: CUDA graphs belong to the thread that captures them
+            self.engine.warm_up(sorted({1, self.engine.max_rows}))
+        except BaseException as error:
+            self.warm_up_error = error
+            self.stopping.set()
+        finally:
+            self.warm.set()
         while not self.stopping.is_set():
             if self.engine.wait_for_work(timeout=0.5):
                 rounds = self.engine.rounds

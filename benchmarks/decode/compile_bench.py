@@ -1,0 +1,134 @@
+"""Compiled decoding (``decode.compile=on``, griffin.static) against eager decoding, on this CPU.
+
+SmolLM2-135M-Instruct with the shipped GRIFFIN draft, both pre-packed as every decoding process
+loads them; MT-Bench first turns. Per prompt, interleaved: vanilla eager, vanilla compiled, GRIFFIN
+eager, GRIFFIN compiled (same seed each), after an untimed warm-up that captures the compiled
+steps (griffin.engine.warm_up). Every compiled output is checked against its eager twin token for
+token. Medians of tokens/s and the per-prompt ratios. Writes compile-<dtype>.{json,md}.
+
+    python benchmarks/decode/compile_bench.py [--dtype float32] [--prompts 8] [--new 96] [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from griffin.config import SamplingConfig
+from griffin.decode import speculative_generate, vanilla_generate
+from griffin.engine import SpeculationPolicy, warm_up
+from pipeline.config import load_config
+from pipeline.evaluate.report import machine_identity
+from pipeline.resources.drafts import load_draft_uri
+from pipeline.resources.targets import load_target
+
+OUT = Path(__file__).parent
+DRAFT = "drafts/smollm2-135m-instruct/griffin"
+METHODS = ["vanilla_eager", "vanilla_compiled", "griffin_eager", "griffin_compiled"]
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    from pipeline.resources.questions import load_questions
+
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for q in load_questions("mt_bench", n)
+    ]
+
+
+def decoders(cfg, tree, sampling, new):
+    """(name -> fn(prompt ids, seed) -> GenerationResult, the tokenizer); eager and compiled hold
+    their own weights."""
+    runs = {}
+    for mode in ("eager", "compiled"):
+        target = load_target(cfg.target, decoding=True, compile="on" if mode == "compiled" else "off")
+        draft = load_draft_uri(DRAFT, target, cfg)
+        warm_up(target, None, SpeculationPolicy({1: None}))
+        warm_up(target, draft, SpeculationPolicy({1: tree}))
+
+        def vanilla(ids, seed, t=target):
+            return vanilla_generate(t, ids, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[])
+
+        def griffin(ids, seed, t=target, d=draft):
+            return speculative_generate(t, d, ids, tree, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[])
+
+        runs[f"vanilla_{mode}"], runs[f"griffin_{mode}"] = vanilla, griffin
+    return runs, target.tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+    cfg = load_config("jobs/configs/smollm2-quick.yaml", [f"target.dtype={args.dtype}"])
+    tree, sampling = cfg.decode.tree, SamplingConfig(temperature=args.temperature)
+    started = time.perf_counter()
+    runs, tokenizer = decoders(cfg, tree, sampling, args.new)
+    warm_s = time.perf_counter() - started
+    rates = {name: [] for name in METHODS}
+    mismatches = []
+    for i, ids in enumerate(prompts(tokenizer, args.prompts)):
+        ids = torch.tensor([ids])
+        outputs = {}
+        for name in METHODS:
+            start = time.perf_counter()
+            outputs[name] = runs[name](ids, i).tokens
+            rates[name].append(len(outputs[name]) / (time.perf_counter() - start))
+        mismatches += [f"prompt {i} {m}" for m in ("vanilla", "griffin") if outputs[f"{m}_compiled"] != outputs[f"{m}_eager"]]
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))  # noqa: E731
+    result = {
+        "machine": machine_identity(),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "temperature": args.temperature,
+        "prompts": args.prompts,
+        "new_tokens": args.new,
+        "tree": tree.model_dump(),
+        "warm_up_seconds": round(warm_s, 1),
+        "tokens_per_s_median": {k: round(v, 2) for k, v in medians.items()},
+        "compiled_over_eager": {
+            "vanilla": round(ratio("vanilla_compiled", "vanilla_eager"), 3),
+            "griffin": round(ratio("griffin_compiled", "griffin_eager"), 3),
+        },
+        "griffin_over_vanilla": {
+            "eager": round(ratio("griffin_eager", "vanilla_eager"), 3),
+            "compiled": round(ratio("griffin_compiled", "vanilla_compiled"), 3),
+        },
+        "outputs_identical": not mismatches,
+        "mismatches": mismatches,
+    }
+    name = f"compile-{args.dtype}"
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (OUT / f"{name}.md").write_text(table(result))
+    print(table(result))
+
+
+def table(r: dict) -> str:
+    m, c, g = r["tokens_per_s_median"], r["compiled_over_eager"], r["griffin_over_vanilla"]
+    return (
+        f"# Compiled vs eager decoding, {r['dtype']}, T={r['temperature']} ({r['date']}, {r['machine']})\n\n"
+        f"SmolLM2-135M-Instruct + the shipped GRIFFIN draft (pre-packed), {r['prompts']} MT-Bench prompts, "
+        f"{r['new_tokens']} tokens, tree {r['tree']['total_tokens']}/{r['tree']['depth']}/{r['tree']['top_k']}; "
+        f"interleaved per prompt, medians; warm-up (compiling) {r['warm_up_seconds']} s; "
+        f"outputs identical: {r['outputs_identical']}.\n\n"
+        "| method | eager tok/s | compiled tok/s | compiled / eager |\n|---|---|---|---|\n"
+        f"| vanilla | {m['vanilla_eager']} | {m['vanilla_compiled']} | {c['vanilla']}x |\n"
+        f"| GRIFFIN | {m['griffin_eager']} | {m['griffin_compiled']} | {c['griffin']}x |\n"
+        f"| GRIFFIN / vanilla | {g['eager']}x | {g['compiled']}x | |\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Compiled decoding (griffin.static, ``decode.compile=on``) decodes exactly what eager decoding does.
+
+The same tiny fp32 targets and drafts decode eagerly and through the compiled static-shape steps
+(inductor on CPU): token for token at T=0 and at seeded T>0, speculative and vanilla, alone and in
+a batch of rows of different lengths whose widths cross a bucket. tests/test_gpu.py runs the twin
+on CUDA, where the steps are CUDA graphs."""
+
+import pytest
+import torch
+
+from griffin.config import SamplingConfig, TreeConfig
+from griffin.decode import speculative_generate, vanilla_generate
+from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch, warm_up
+from griffin.model import GriffinDraft
+from griffin.static import MIN_BUCKET, compile_enabled, width_bucket
+from griffin.target import TargetAdapter
+from tests.conftest import make_target
+
+TREE = TreeConfig(total_tokens=12, depth=3, top_k=4)
+NEW = MIN_BUCKET + 16  # from a 20-token prompt, the widths cross from the first bucket into the next
+
+
+def compiled_twin(target: TargetAdapter) -> TargetAdapter:
+    """A second adapter over the same weights that decodes compiled."""
+    twin = TargetAdapter(target.model, target.tokenizer, name=f"{target.name}-compiled")
+    twin.compile_decoding()
+    return twin
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def models(request):
+    torch._dynamo.reset()
+    target = make_target(request.param)
+    torch.manual_seed(1)
+    return target, compiled_twin(target), GriffinDraft.for_target(target, variant="griffin")
+
+
+def test_compile_setting_and_buckets():
+    assert compile_enabled("auto", "cuda") and not compile_enabled("auto", "cpu")
+    assert compile_enabled("on", "cpu") and not compile_enabled("off", "cuda")
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
+        compile_enabled("yes", "cpu")
+    assert [width_bucket(w, 4096) for w in (1, 64, 65, 130, 4000)] == [64, 64, 128, 256, 4096]
+    assert width_bucket(70, 100) == 100  # capped at the capacity, never below the width
+    assert width_bucket(70, 70) == 70
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_equals_eager_token_for_token(models, temperature):
+    target, twin, draft = models
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    sampling = SamplingConfig(temperature=temperature)
+    seeded = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    spec = [speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
+    plain = [vanilla_generate(t, ids, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
+    assert spec[1].tokens == spec[0].tokens and len(spec[0].tokens) == NEW
+    assert spec[1].stats.accepted_per_round == spec[0].stats.accepted_per_round
+    assert plain[1].tokens == plain[0].tokens
+    if temperature == 0.0:
+        assert spec[1].tokens == plain[0].tokens  # and lossless: the target's greedy output
+    graph_breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert not graph_breaks, f"the compiled decode steps broke their graphs: {graph_breaks}"
+
+
+@pytest.mark.parametrize("models", ["llama"], indirect=True)  # one architecture: compiling costs ~30 s a test
+def test_compiled_batch_equals_eager(models):
+    """Rows of different lengths decode together, one of them plainly (speculative: false); a
+    policy switches to plain rounds at batch 3: every row equals its eager decode."""
+    target, twin, draft = models
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 30, 47)]
+    policy = SpeculationPolicy({1: TREE, 3: None})
+
+    def decode(t):
+        requests = [
+            DecodeRequest(p, SamplingConfig(temperature=0.8), 40, torch.Generator().manual_seed(i), [], i != 1)
+            for i, p in enumerate(prompts)
+        ]
+        return [r.tokens for r in generate_batch(t, draft, requests, policy)]
+
+    assert decode(twin) == decode(target)
+
+
+@pytest.mark.parametrize("models", ["llama"], indirect=True)
+def test_warm_up_captures_before_the_timed_decode(models):
+    """After warm_up, a lone decode reuses the warmed engine and compiles nothing new."""
+    _, twin, draft = models
+    policy = SpeculationPolicy({1: TREE})
+    warm_up(twin, draft, policy)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(7))
+    speculative_generate(twin, draft, ids, TREE, SamplingConfig(), 100, stop_token_ids=[])
+    vanilla_generate(twin, ids, SamplingConfig(), 100, stop_token_ids=[])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
