@@ -160,7 +160,9 @@ class BatchEngine:
             for speculative in (True, False):
                 for b in range(batch):
                     prompt = list(range(1, 17 + b))
-                    self.submit(DecodeRequest(prompt, greedy, 2 * MIN_BUCKET, stop_token_ids=[], speculative=speculative))
+                    self.submit(
+                        DecodeRequest(prompt, greedy, 2 * MIN_BUCKET, stop_token_ids=[], speculative=speculative)
+                    )
                 self.run_until_idle()
 
     # ---- one round ----
@@ -375,7 +377,9 @@ def _engine_for(target: TargetAdapter, draft: GriffinDraft | None, policy: Specu
         return
     key = (id(draft), tuple((size, tree and tree.model_dump_json()) for size, tree in policy.trees.items()), max_rows)
     pool = target.__dict__.setdefault("idle_engines", {})
-    engine, lock = pool.get(key) or pool.setdefault(key, (BatchEngine(target, draft, policy, max_rows), threading.Lock()))
+    engine, lock = pool.get(key) or pool.setdefault(
+        key, (BatchEngine(target, draft, policy, max_rows), threading.Lock())
+    )
     if not lock.acquire(blocking=False):
         yield BatchEngine(target, draft, policy, max_rows)
         return

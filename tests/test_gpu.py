@@ -160,7 +160,10 @@ def test_compiled_decode_equals_eager_on_cuda(arch):
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0)).to(CUDA)
     for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
         seeded = lambda: torch.Generator(device=CUDA).manual_seed(5)  # noqa: E731
-        spec = [speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
+        spec = [
+            speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[])
+            for t in (target, twin)
+        ]
         plain = [vanilla_generate(t, ids, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
         assert spec[1].tokens == spec[0].tokens and plain[1].tokens == plain[0].tokens
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 47)]

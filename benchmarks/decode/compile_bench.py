@@ -57,7 +57,9 @@ def decoders(cfg, tree, sampling, new):
             return vanilla_generate(t, ids, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[])
 
         def griffin(ids, seed, t=target, d=draft):
-            return speculative_generate(t, d, ids, tree, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[])
+            return speculative_generate(
+                t, d, ids, tree, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[]
+            )
 
         runs[f"vanilla_{mode}"], runs[f"griffin_{mode}"] = vanilla, griffin
     return runs, target.tokenizer
@@ -84,7 +86,9 @@ def main() -> None:
             start = time.perf_counter()
             outputs[name] = runs[name](ids, i).tokens
             rates[name].append(len(outputs[name]) / (time.perf_counter() - start))
-        mismatches += [f"prompt {i} {m}" for m in ("vanilla", "griffin") if outputs[f"{m}_compiled"] != outputs[f"{m}_eager"]]
+        mismatches += [
+            f"prompt {i} {m}" for m in ("vanilla", "griffin") if outputs[f"{m}_compiled"] != outputs[f"{m}_eager"]
+        ]
     medians = {name: statistics.median(r) for name, r in rates.items()}
     ratio = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))  # noqa: E731
     result = {

@@ -173,7 +173,9 @@ def main() -> None:
     if args.command == "stage":
         manifest = stage(args.out, args.part_mib, args.requirements, args.find_links, args.conversations)
         mib = manifest["bytes"] / 2**20
-        print(f"staged {len(manifest['wheels'])} wheels, {mib:.1f} MiB in {len(manifest['parts'])} parts: {args.out / 'parts'}")
+        print(
+            f"staged {len(manifest['wheels'])} wheels, {mib:.1f} MiB in {len(manifest['parts'])} parts: {args.out / 'parts'}"
+        )
     elif args.command == "receive":
         print("received:", " ".join(receive(args.parts_dir, args.stage_dir)) or "nothing")
     else:

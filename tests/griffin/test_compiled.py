@@ -51,7 +51,9 @@ def test_compiled_equals_eager_token_for_token(models, temperature):
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     sampling = SamplingConfig(temperature=temperature)
     seeded = lambda: torch.Generator().manual_seed(5)  # noqa: E731
-    spec = [speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
+    spec = [
+        speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)
+    ]
     plain = [vanilla_generate(t, ids, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
     assert spec[1].tokens == spec[0].tokens and len(spec[0].tokens) == NEW
     assert spec[1].stats.accepted_per_round == spec[0].stats.accepted_per_round
