@@ -113,10 +113,13 @@ class BatchEngine:
         self.compiled = target.compiled_forward is not None
         if self.compiled and draft is not None:
             draft.compile_decoding()
-        self.cache = target.new_row_cache(max_rows, 64)
+        # compiled: the whole context at once, so the buffers never grow (a new shape and address: a
+        # new graph); eager: room for short requests, doubled on demand
+        capacity = target.max_context + self.tree_slack + 1 if self.compiled else 64
+        self.cache = target.new_row_cache(max_rows, capacity)
         self.draft_cache = None
         if draft is not None:
-            self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, 64, draft.param_dtype, target.device)
+            self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, 2 * capacity, draft.param_dtype, target.device)
         self._mark_static()
         self.rounds, self.last_batch = 0, 0
 

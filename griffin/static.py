@@ -48,14 +48,17 @@ def width_bucket(width: int, capacity: int) -> int:
 
 
 def compile_step(fn: Any, device: torch.device) -> Any:
-    """``fn`` compiled for decoding on ``device``. Shapes are static at first; a second shape for
-    the same function (a new bucket, a catch-up of another length) makes that dimension dynamic, so
-    a process compiles each step a few times, not once per length (raised limits: one function
-    serves several batch sizes and tree sizes)."""
+    """``fn`` compiled for decoding on ``device``, with dynamic shapes from the start: one graph
+    serves every row count, node count and bucket, except that sizes 1 are specialised (a lone row,
+    plain decoding's one node), so a step compiles at most four times per process. On CUDA each
+    concrete shape is still recorded as its own CUDA graph, which costs a forward, not a compile."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(fn, mode=mode)
+    if device.type == "cuda":
+        return torch.compile(fn, mode="reduce-overhead", dynamic=True)
+    # on CPU, freezing makes the weights constants that inductor pre-packs for oneDNN, as
+    # griffin.target.PackedLinear does for eager decoding (whose packed op inductor cannot lower)
+    return torch.compile(fn, dynamic=True, options={"freezing": True})
 
 
 def mark_static(tensors: list[torch.Tensor]) -> None:

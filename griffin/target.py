@@ -336,6 +336,8 @@ class TargetAdapter:
         compiled graph, captured once per process (a CUDA graph on CUDA)."""
         from griffin.static import compile_step
 
+        if self.packed:
+            raise ValueError("a pre-packed target cannot be compiled: load it with prepack off (inductor packs it)")
         if self.compiled_forward is None:
             self.compiled_forward = compile_step(self._forward, self.device)
 

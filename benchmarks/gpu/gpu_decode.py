@@ -1,14 +1,17 @@
-"""The shipped SmolLM2 GRIFFIN draft on a GPU: tau and speedup against vanilla and HF ``generate``.
+"""The shipped SmolLM2 GRIFFIN draft on a GPU: compiled decoding (CUDA graphs) against eager, tau and speedups.
 
 Runs the evaluation's own protocol (``pipeline.evaluate.evaluate.evaluate_dataset``: every question turn
-through every method back to back, T=0 divergences located with their logit gap) on
-``--device`` (default cuda), with several trees at once, in phases run in priority order:
-fp32 T=0 (the lossless check: speculative must equal vanilla token for token), bf16 T=0, fp32 T=1.
-Each phase is time-boxed by ``--budget-s`` (the device machine is lent for minutes): a phase stops
+through every method back to back, T=0 divergences located with their logit gap) on ``--device``
+(default cuda), MT-Bench and HumanEval alternating, in phases run in priority order: bf16 T=0, fp32
+T=0 (the lossless check: speculative must equal vanilla token for token), bf16 T=1, fp32 T=1. Each
+phase decodes with four methods over one set of weights: ``griffin`` and ``vanilla`` compiled
+(``decode.compile``: griffin.static), ``griffin_eager`` and ``vanilla_eager``; speedups are over the
+compiled vanilla. The tree is the one ``griffin tune-tree`` picked on the GPU (``--tree``). Each
+phase is time-boxed by ``--budget-s`` (the device machine is lent for minutes): a phase stops
 starting questions once its share is spent, and the JSON is rewritten after every question, so a
 killed run still leaves what it measured. The method order rotates with the question.
 
-    python benchmarks/gpu/gpu_decode.py --out DIR [--device cuda] [--questions 8] [--budget-s 420]
+    python benchmarks/gpu/gpu_decode.py --out DIR [--device cuda] [--tree 60/6/10] [--questions 8] [--budget-s 420]
     python benchmarks/gpu/gpu_decode.py --render DIR/gpu_decode.json   # -> benchmarks/gpu/gpu_decode.{json,md,png}
 """
 
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from griffin.config import TreeConfig
+from griffin.target import TargetAdapter
 from pipeline.config import load_config
 from pipeline.evaluate.evaluate import _warm_up, evaluate_dataset
 from pipeline.evaluate.methods import hf_decoder, local_decoder
@@ -34,29 +38,34 @@ from pipeline.resources.targets import load_target
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "jobs" / "configs" / "smollm2-long.yaml"
 DRAFT = "drafts/smollm2-135m-instruct/griffin"
-# (dtype, temperature, trees, HF baseline?, share of the budget). The first tree is "griffin";
-# 16/5/4 is the CPU config's, 60/6/10 EAGLE-2's GPU default, 96/8/12 a deeper, wider one.
-TREES = {"16/5/4": (16, 5, 4), "60/6/10": (60, 6, 10), "96/8/12": (96, 8, 12)}
+# (dtype, temperature, HF baseline?, share of the budget)
 PHASES = [
-    ("float32", 0.0, ["60/6/10", "16/5/4", "96/8/12"], True, 0.5),
-    ("bfloat16", 0.0, ["60/6/10", "16/5/4"], False, 0.25),
-    ("float32", 1.0, ["60/6/10"], False, 0.25),
+    ("bfloat16", 0.0, True, 0.35),
+    ("float32", 0.0, False, 0.25),
+    ("bfloat16", 1.0, False, 0.2),
+    ("float32", 1.0, False, 0.2),
 ]
 
 
-def tree(name: str) -> TreeConfig:
-    total, depth, top_k = TREES[name]
+def parse_tree(text: str) -> TreeConfig:
+    total, depth, top_k = (int(x) for x in text.split("/"))
     return TreeConfig(total_tokens=total, depth=depth, top_k=top_k)
 
 
-def methods_for(target, draft, trees: list[str], with_hf: bool) -> dict:
-    """griffin (first tree), griffin_<tree> for the others, vanilla, and HF generate."""
-    methods = {"griffin": local_decoder(target, draft, tree(trees[0]))}
-    methods.update({f"griffin_{name}": local_decoder(target, draft, tree(name)) for name in trees[1:]})
-    methods["vanilla"] = local_decoder(target)
+def methods_for(target, draft, tree: TreeConfig, with_hf: bool) -> tuple[dict, TargetAdapter]:
+    """griffin and vanilla compiled, their eager twins over the same weights, and HF generate;
+    returns the methods and the compiled adapter."""
+    compiled = TargetAdapter(target.model, target.tokenizer, name=target.name, revision=target.revision)
+    compiled.compile_decoding()
+    methods = {
+        "griffin": local_decoder(compiled, draft, tree),
+        "vanilla": local_decoder(compiled),
+        "griffin_eager": local_decoder(target, draft, tree),
+        "vanilla_eager": local_decoder(target),
+    }
     if with_hf:
         methods["hf_generate"] = hf_decoder(target)
-    return methods
+    return methods, compiled
 
 
 def rotated(methods: dict, index: int) -> dict:
@@ -68,29 +77,30 @@ def run_phase(
     device: str,
     dtype: str,
     temperature: float,
-    trees: list[str],
+    tree: TreeConfig,
     with_hf: bool,
     questions: dict[str, list[dict]],
     deadline: float,
     max_new: int,
 ) -> dict:
-    primary = TREES[trees[0]]
     cfg = load_config(
         CONFIG,
         [
             f"target.device={device}",
             f"target.dtype={dtype}",
             f"eval.max_new_tokens={max_new}",
-            f"decode.tree.total_tokens={primary[0]}",
-            f"decode.tree.depth={primary[1]}",
-            f"decode.tree.top_k={primary[2]}",
+            f"decode.tree.total_tokens={tree.total_tokens}",
+            f"decode.tree.depth={tree.depth}",
+            f"decode.tree.top_k={tree.top_k}",
             "eval.tree=null",
         ],
     )
     target = load_target(cfg.target, decoding=True)
     draft = load_draft_uri(DRAFT, target, cfg)
-    methods = methods_for(target, draft, trees, with_hf)
-    _warm_up(methods, target, cfg)  # the evaluation's own: kernels, caches, allocator
+    methods, compiled = methods_for(target, draft, tree, with_hf)
+    started = time.monotonic()
+    _warm_up(methods, compiled, cfg, {"griffin": draft})  # captures the compiled steps, then each method once
+    warm_up_s = time.monotonic() - started
     records, done = [], {name: 0 for name in questions}
     for index in range(max(len(items) for items in questions.values())):  # alternate the datasets
         for name, items in questions.items():
@@ -102,13 +112,14 @@ def run_phase(
     report = summarize(records, list(methods), cfg, target, DRAFT) if records else {"results": {}}
     for row in records:
         row.pop("text", None)
-    del target, draft
+    del target, draft, compiled, methods
     if device == "cuda":
         torch.cuda.empty_cache()
     return {
         "dtype": dtype,
         "temperature": temperature,
-        "trees": {f"griffin_{n}" if i else "griffin": TREES[n] for i, n in enumerate(trees)},
+        "warm_up_s": round(warm_up_s, 1),
+        "trees": {m: (tree.total_tokens, tree.depth, tree.top_k) for m in ("griffin", "griffin_eager")},
         "questions_done": done,
         "results": report["results"],
         "records": records,
@@ -127,12 +138,14 @@ def run(args) -> None:
         "phases": [],
     }
     start = time.monotonic()
-    for dtype, temperature, trees, with_hf, share in PHASES:
+    tree = parse_tree(args.tree)
+    result["tree"] = args.tree
+    for dtype, temperature, with_hf, share in PHASES[: args.phases]:
         deadline = time.monotonic() + share * args.budget_s
         if time.monotonic() - start > args.budget_s:
             break
         phase_start = time.monotonic()
-        phase = run_phase(args.device, dtype, temperature, trees, with_hf, questions, deadline, args.new)
+        phase = run_phase(args.device, dtype, temperature, tree, with_hf, questions, deadline, args.new)
         phase["seconds"] = round(time.monotonic() - phase_start, 1)
         result["phases"].append(phase)
         (out / "gpu_decode.json").write_text(json.dumps(result, indent=1, default=str))
@@ -146,7 +159,9 @@ def render(result: dict) -> str:
         f"# The shipped SmolLM2 GRIFFIN draft on {result['device_name']}",
         "",
         f"torch {result['torch']}, {result['max_new_tokens']} new tokens, in-process, evaluation protocol "
-        "(each question turn through every method back to back). Speedups are medians of per-turn ratios.",
+        "(each question turn through every method back to back). griffin and vanilla decode compiled "
+        "(CUDA graphs), the _eager methods without; speedups are medians of per-turn ratios over the "
+        "compiled vanilla.",
         "",
     ]
     for phase in result["phases"]:
@@ -221,8 +236,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "outputs" / "gpu_decode"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--tree", default="60/6/10", help="total/depth/top_k: griffin tune-tree's pick on this GPU")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--budget-s", type=float, default=420)
+    parser.add_argument("--phases", type=int, default=len(PHASES), help="run the first N phases (a dry run: 1)")
     parser.add_argument("--render", help="write benchmarks/gpu/gpu_decode.md from this gpu_decode.json and stop")
     args = parser.parse_args()
     if args.render:

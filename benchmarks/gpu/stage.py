@@ -14,7 +14,7 @@ call to it carries at most 64 MiB (the working tree included). So (benchmarks/gp
 
 Standard library only: ``receive`` and ``install`` run before anything is installed.
 
-    python benchmarks/gpu/stage.py stage [--out .gpu] [--part-mib 40] [--find-links DIR]
+    python benchmarks/gpu/stage.py stage [--out .gpu] [--part-mib 40] [--find-links DIR] [--python-version 3.12]
     python benchmarks/gpu/stage.py receive PARTS_DIR STAGE_DIR
     python benchmarks/gpu/stage.py install STAGE_DIR [--target STAGE_DIR/site]
 """
@@ -34,7 +34,8 @@ HERE = Path(__file__).parent
 # the GPU image's interpreter (a wheel with compiled code is built for one Python)
 GPU_PYTHON = "3.12"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-SHAREGPT_CONVERSATIONS = 800  # the pipeline's data.limit (600) plus its shuffle's slack
+# the long-budget drafts' data.limit (2,500; jobs/configs/smollm2-long.yaml), which covers the pipeline's 600
+SHAREGPT_CONVERSATIONS = 2500
 
 
 def sha256(path: Path) -> str:
@@ -46,20 +47,20 @@ def sha256(path: Path) -> str:
 
 
 # ---- here ---------------------------------------------------------------------------------------
-def download_wheels(dest: Path, requirements: Path, find_links: Path | None) -> list[Path]:
-    """The pinned wheels for the GPU image's Python and platform (no dependencies: the list is the
-    closure minus what the image has). ``find_links``: from a local folder, not the index."""
+def download_wheels(dest: Path, requirements: Path, find_links: Path | None, python: str) -> list[Path]:
+    """The pinned wheels for the GPU image's Python (``python``) and platform (no dependencies: the
+    list is the closure minus what the image has). ``find_links``: from a local folder, not the index."""
     source = ["--no-index", "--find-links", str(find_links)] if find_links else []
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
-    command += ["--python-version", GPU_PYTHON, "--implementation", "cp", *platforms, "--platform", "any"]
+    command += ["--python-version", python, "--implementation", "cp", *platforms, "--platform", "any"]
     subprocess.run([*command, *source, "-d", str(dest), "-r", str(requirements)], check=True)
     return sorted(dest.glob("*.whl"))
 
 
 def write_sharegpt(dest: Path, conversations: int) -> Path:
-    """The first ``conversations`` of the ShareGPT package's records as one JSON file (27 MB of wheel
-    for the ~3 MB the GPU run reads). The pipeline reads it as ``data.source``."""
+    """The first ``conversations`` of the ShareGPT package's records as one JSON file (2,500: 17 MiB,
+    where the package's wheel of all of them is 27 MB). The pipeline reads it as ``data.source``."""
     from itertools import islice
 
     from pipeline.data.sources import Ledger, iter_json_array, sharegpt_path
@@ -84,14 +85,17 @@ def split(bundle: Path, parts_dir: Path, part_bytes: int) -> dict:
     return manifest
 
 
-def stage(out: Path, part_mib: float, requirements: Path, find_links: Path | None, conversations: int) -> dict:
-    """Wheels + data -> out/parts (the parts and MANIFEST.json); returns the manifest."""
+def stage(
+    out: Path, part_mib: float, requirements: Path, find_links: Path | None, conversations: int, python: str
+) -> dict:
+    """Wheels + data -> out/parts (the parts and MANIFEST.json); returns the manifest. ``python``: the
+    interpreter the wheels are for (the GPU image's; a dry run's own)."""
     if out.exists():
         shutil.rmtree(out)
     content = out / "bundle"
     (content / "wheels").mkdir(parents=True)
     (content / "data").mkdir()
-    wheels = download_wheels(content / "wheels", requirements, find_links)
+    wheels = download_wheels(content / "wheels", requirements, find_links, python)
     if conversations:
         write_sharegpt(content / "data", conversations)
     bundle = out / "bundle.tar"
@@ -163,6 +167,7 @@ def main() -> None:
     p.add_argument("--requirements", type=Path, default=HERE / "wheels.txt")
     p.add_argument("--find-links", type=Path, default=None)
     p.add_argument("--conversations", type=int, default=SHAREGPT_CONVERSATIONS)
+    p.add_argument("--python-version", default=GPU_PYTHON, help="the interpreter the wheels are for")
     p = sub.add_parser("receive")
     p.add_argument("parts_dir", type=Path)
     p.add_argument("stage_dir", type=Path)
@@ -171,7 +176,9 @@ def main() -> None:
     p.add_argument("--target", type=Path, default=None)
     args = parser.parse_args()
     if args.command == "stage":
-        manifest = stage(args.out, args.part_mib, args.requirements, args.find_links, args.conversations)
+        manifest = stage(
+            args.out, args.part_mib, args.requirements, args.find_links, args.conversations, args.python_version
+        )
         mib = manifest["bytes"] / 2**20
         print(
             f"staged {len(manifest['wheels'])} wheels, {mib:.1f} MiB in {len(manifest['parts'])} parts: {args.out / 'parts'}"

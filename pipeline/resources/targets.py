@@ -86,10 +86,10 @@ def load_target(
         target.model.to(device)
     else:
         target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device, revision=section.revision)
-    if decoding and section.prepack:
-        target.prepack()
     if decoding and compile_enabled(compile, target.device):
-        target.compile_decoding()
+        target.compile_decoding()  # inductor packs the CPU weights itself (freezing): no prepack
+    elif decoding and section.prepack:
+        target.prepack()
     return target
 
 

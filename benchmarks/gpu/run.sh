@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# All the GPU work, prepared here and run there in as few device calls as possible (docs/scaling.md,
+# "Running on a GPU"). The GPU machine has PyTorch + CUDA but no package index, and a call carries at
+# most 64 MiB, so what it lacks travels as checked parts (benchmarks/gpu/stage.py).
+#
+#   benchmarks/gpu/run.sh stage      here: wheels + data -> .gpu/parts (part-NN + MANIFEST.json), the call plan
+#   benchmarks/gpu/run.sh receive    there, every call: the carried .gpu/parts into $STAGE (outlives the call
+#                                    while the machine is warm)
+#   benchmarks/gpu/run.sh all        there, once every part is in: install, then the steps below
+#   benchmarks/gpu/run.sh dry-run    here, on the CPU: stage, receive each part as its own call would, then
+#                                    `all` with the sizes cut down (DRY=1): every step but the transfers
+#
+# The steps of `all`, in priority order (STEPS picks some; each logs to $OUT/<step>.log):
+#   install   check every part's sha256, join, unpack, pip install --no-index --no-deps into $STAGE/site
+#   tests     the gpu-marked tests (tests/test_gpu.py), junit in $OUT
+#   pipeline  griffin run -c jobs/configs/smollm2-gpu.yaml through a local Ray on the GPU, timed per stage
+#   decode    benchmarks/gpu/gpu_decode.py with the tree tune-tree picked: compiled vs eager, bf16 vs fp32, T=0/1
+#   drafts    the long-budget HASS, EAGLE-2, EAGLE-3 and GRIFFIN-3 drafts (smollm2-long.yaml), while time is left
+#   results   $OUT/gpu.json and gpu.md: the machine, date, torch and every figure (benchmarks/gpu/results.py)
+# Env: OUT (default outputs/gpu), STAGE (default /tmp/griffin-gpu), GPU_DIR (default .gpu), STEPS,
+# BUDGET_S (the decode step's seconds, default 240), DRAFT_BUDGET_S (default 0: no drafts), PY
+# (default .venv/bin/python where it exists, else python3). Arguments after stage / dry-run go to
+# stage.py stage (--part-mib, --requirements, --find-links, --conversations).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/outputs/gpu}
+STAGE=${STAGE:-/tmp/griffin-gpu}
+GPU_DIR=${GPU_DIR:-.gpu}  # the staged parts, here (ignored by git: carried by name)
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}  # there: the image's python3
+DRY=${DRY:-0}
+STEPS=${STEPS:-install tests pipeline decode drafts results}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+config_overrides() {
+  # the pipeline on the GPU reads the carried ShareGPT subset; a dry run cuts every size down, on the CPU
+  echo "data.source=$STAGE/bundle/data/sharegpt.json output_dir=$OUT/pipeline"
+  if [ "$DRY" = 1 ]; then
+    echo "target.device=cpu target.dtype=auto features.gpus_per_actor=0 train.use_gpu=false train.precision=auto"
+    echo "serve.num_gpus=0 serve.max_batch=4 serve.max_ongoing_requests=4 cluster.num_cpus=4 data.limit=12"
+    echo "train.schedule=[{stage: 3, steps: 2, lr: 0.00002}] train.eval_every=2 train.checkpoint_every=2"
+    echo "decode.tune_prompts=2 decode.tune_max_new_tokens=16 decode.tune_batches=[1,2] decode.tree.total_tokens=12"
+    echo "decode.tree.depth=3 decode.tree.top_k=4 eval.num_questions=1 eval.max_new_tokens=16"
+  fi
+}
+
+step() {  # step NAME COMMAND...: run it, log it, time it; a failed step does not stop the later ones
+  local name=$1
+  shift
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  echo "=== $name ($(date -u +%H:%M:%S)) ==="
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}" >> "$OUT/steps.jsonl"
+  echo "=== $name: rc $rc in $((SECONDS - start)) s ==="
+  [ "$name" != install ] || [ "$rc" = 0 ] || exit "$rc"  # nothing runs without the packages
+}
+
+tuned_tree() {  # the tree the pipeline's tune-tree picked, as total/depth/top_k
+  $PY -c "import json, sys; b = json.load(open(sys.argv[1]))['best']; print(f\"{b['total_tokens']}/{b['depth']}/{b['top_k']}\")" \
+    "$OUT/pipeline/smollm2-gpu/tune_tree/tune_tree.json" 2>/dev/null || echo 60/6/10
+}
+
+run_all() {
+  rm -f "$OUT/steps.jsonl"
+  export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  local device=cuda questions=8 new=128 budget=${BUDGET_S:-240} phases=4
+  if [ "$DRY" = 1 ]; then device=cpu questions=1 new=16 budget=60 phases=1; fi
+  step install $PY benchmarks/gpu/stage.py install "$STAGE"
+  step tests $PY -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --timeout 300 --junitxml "$OUT/gpu_tests.xml"
+  # shellcheck disable=SC2046  # the overrides are words
+  step pipeline $PY -m pipeline.cli run -c jobs/configs/smollm2-gpu.yaml $(config_overrides)
+  step decode $PY benchmarks/gpu/gpu_decode.py --out "$OUT" --device "$device" --tree "$(tuned_tree)" \
+    --questions "$questions" --new "$new" --budget-s "$budget" --phases "$phases"
+  if [ "${DRAFT_BUDGET_S:-0}" != 0 ]; then
+    step drafts $PY benchmarks/gpu/long_drafts.py --out "$OUT/drafts" --device "$device" --budget-s "$DRAFT_BUDGET_S" \
+      --data "$STAGE/bundle/data/sharegpt.json"
+  fi
+  step results $PY benchmarks/gpu/results.py "$OUT"
+}
+
+case "${1:-}" in
+  stage)
+    $PY benchmarks/gpu/stage.py stage --out "$GPU_DIR" "${@:2}" || exit 1
+    echo "call plan: one device call per part, carry [\".gpu/parts/part-NN\", \".gpu/parts/MANIFEST.json\"],"
+    echo "command 'benchmarks/gpu/run.sh receive'; the last part's call runs 'benchmarks/gpu/run.sh receive && benchmarks/gpu/run.sh all'"
+    ;;
+  receive) $PY benchmarks/gpu/stage.py receive "$GPU_DIR/parts" "$STAGE" ;;
+  all) run_all ;;
+  dry-run)
+    export DRY=1  # the wheels for this interpreter: the dry run installs and imports them here
+    here=$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    $PY benchmarks/gpu/stage.py stage --out "$GPU_DIR" --python-version "$here" "${@:2}" || exit 1
+    rm -rf "$STAGE"
+    for part in "$GPU_DIR"/parts/part-*; do  # each part as its own call would carry it
+      carried=$(mktemp -d)
+      cp "$part" "$GPU_DIR/parts/MANIFEST.json" "$carried/"
+      $PY benchmarks/gpu/stage.py receive "$carried" "$STAGE" || exit 1
+      rm -rf "$carried"
+    done
+    run_all
+    ;;
+  *)
+    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac

@@ -1,0 +1,35 @@
+"""A serving replica with compiled decoding (decode.compile=on) captures its steps on its own engine
+thread before it reports ready (CUDA graphs belong to the capturing thread), then decodes what eager
+decoding does, without compiling anything new."""
+
+import torch
+
+from griffin.config import SamplingConfig
+from griffin.decode import speculative_generate
+from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.model import GriffinDraft
+from pipeline.serve.engine import ReplicaEngine
+from tests.conftest import make_target
+from tests.griffin.test_compiled import TREE, compiled_twin
+
+
+def test_replica_warms_up_on_its_thread_then_decodes_as_eager():
+    torch._dynamo.reset()
+    target = make_target("llama")
+    twin = compiled_twin(target)
+    torch.manual_seed(1)
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    replica = ReplicaEngine(twin, draft, SpeculationPolicy({1: TREE}), max_rows=1)
+    try:
+        assert replica.engine.rounds > 0 and not replica.engine.busy  # warmed before the constructor returned
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        prompt = torch.randint(3, 128, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+        row = replica.engine.submit(DecodeRequest(prompt, SamplingConfig(), 40, stop_token_ids=[]))
+        assert row.done.wait(120) and row.error is None
+        eager = speculative_generate(
+            target, draft, torch.tensor([prompt]), TREE, SamplingConfig(), 40, stop_token_ids=[]
+        )
+        assert row.result.tokens == eager.tokens
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    finally:
+        replica.close()
