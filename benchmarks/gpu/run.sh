@@ -17,7 +17,8 @@
 #   decode    benchmarks/gpu/gpu_decode.py with the tree tune-tree picked: compiled vs eager, bf16 vs fp32, T=0/1
 #   drafts    the long-budget HASS, EAGLE-2, EAGLE-3 and GRIFFIN-3 drafts (smollm2-long.yaml), while time is left
 #   results   $OUT/gpu.json and gpu.md: the machine, date, torch and every figure (benchmarks/gpu/results.py)
-# Env: OUT (default outputs/gpu), STAGE (default /tmp/griffin-gpu), GPU_DIR (default .gpu), STEPS,
+# Env: OUT (default outputs/gpu), STAGE (default /tmp/griffin-gpu), GPU_DIR (default .gpu), STEPS, TREE
+# (the decode step's tree, total/depth/top_k; default: the pipeline's tune-tree pick, else 60/6/10),
 # BUDGET_S (the decode step's seconds, default 240), DRAFT_BUDGET_S (default 0: no drafts), PY
 # (default .venv/bin/python where it exists, else python3). Arguments after stage / dry-run go to
 # stage.py stage (--part-mib, --requirements, --find-links, --conversations).
@@ -33,16 +34,15 @@ STEPS=${STEPS:-install tests pipeline decode drafts results}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
-config_overrides() {
-  # the pipeline on the GPU reads the carried ShareGPT subset; a dry run cuts every size down, on the CPU
-  echo "data.source=$STAGE/bundle/data/sharegpt.json output_dir=$OUT/pipeline"
-  if [ "$DRY" = 1 ]; then
-    echo "target.device=cpu target.dtype=auto features.gpus_per_actor=0 train.use_gpu=false train.precision=auto"
-    echo "serve.num_gpus=0 serve.max_batch=4 serve.max_ongoing_requests=4 cluster.num_cpus=4 data.limit=12"
-    echo "train.schedule=[{stage: 3, steps: 2, lr: 0.00002}] train.eval_every=2 train.checkpoint_every=2"
-    echo "decode.tune_prompts=2 decode.tune_max_new_tokens=16 decode.tune_batches=[1,2] decode.tree.total_tokens=12"
-    echo "decode.tree.depth=3 decode.tree.top_k=4 eval.num_questions=1 eval.max_new_tokens=16"
-  fi
+config_overrides() {  # one override a line: the pipeline on the GPU reads the carried ShareGPT subset;
+  # a dry run cuts every size down, on the CPU
+  printf '%s\n' "data.source=$STAGE/bundle/data/sharegpt.json" "output_dir=$OUT/pipeline"
+  [ "$DRY" = 1 ] && printf '%s\n' target.device=cpu target.dtype=auto features.gpus_per_actor=0 \
+    train.use_gpu=false train.precision=auto serve.num_gpus=0 serve.max_batch=4 serve.max_ongoing_requests=4 \
+    cluster.num_cpus=4 data.limit=12 "train.schedule=[{stage: 3, steps: 2, lr: 0.00002}]" train.eval_every=2 \
+    train.checkpoint_every=2 decode.tune_prompts=2 decode.tune_max_new_tokens=16 "decode.tune_batches=[1, 2]" \
+    decode.tree.total_tokens=12 decode.tree.depth=3 decode.tree.top_k=4 eval.num_questions=1 eval.max_new_tokens=16
+  return 0
 }
 
 step() {  # step NAME COMMAND...: run it, log it, time it; a failed step does not stop the later ones
@@ -70,9 +70,10 @@ run_all() {
   if [ "$DRY" = 1 ]; then device=cpu questions=1 new=16 budget=60 phases=1; fi
   step install $PY benchmarks/gpu/stage.py install "$STAGE"
   step tests $PY -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --timeout 300 --junitxml "$OUT/gpu_tests.xml"
-  # shellcheck disable=SC2046  # the overrides are words
-  step pipeline $PY -m pipeline.cli run -c jobs/configs/smollm2-gpu.yaml $(config_overrides)
-  step decode $PY benchmarks/gpu/gpu_decode.py --out "$OUT" --device "$device" --tree "$(tuned_tree)" \
+  local overrides
+  mapfile -t overrides < <(config_overrides)
+  step pipeline $PY -m pipeline.cli run -c jobs/configs/smollm2-gpu.yaml "${overrides[@]}"
+  step decode $PY benchmarks/gpu/gpu_decode.py --out "$OUT" --device "$device" --tree "${TREE:-$(tuned_tree)}" \
     --questions "$questions" --new "$new" --budget-s "$budget" --phases "$phases"
   if [ "${DRAFT_BUDGET_S:-0}" != 0 ]; then
     step drafts $PY benchmarks/gpu/long_drafts.py --out "$OUT/drafts" --device "$device" --budget-s "$DRAFT_BUDGET_S" \
@@ -103,7 +104,7 @@ case "${1:-}" in
     run_all
     ;;
   *)
-    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
