@@ -336,7 +336,7 @@ class TargetAdapter:
         compiled graph, captured once per process (a CUDA graph on CUDA)."""
         from griffin.static import compile_step
 
-        if self.packed:
+        if any(isinstance(module, PackedLinear) for module in self.model.modules()):
             raise ValueError("a pre-packed target cannot be compiled: load it with prepack off (inductor packs it)")
         if self.compiled_forward is None:
             self.compiled_forward = compile_step(self._forward, self.device)

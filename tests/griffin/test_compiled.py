@@ -94,3 +94,12 @@ def test_warm_up_captures_before_the_timed_decode(models):
     speculative_generate(twin, draft, ids, TREE, SamplingConfig(), 100, stop_token_ids=[])
     vanilla_generate(twin, ids, SamplingConfig(), 100, stop_token_ids=[])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_a_prepacked_target_is_not_compiled():
+    """Inductor cannot lower PackedLinear's oneDNN op (and packs weights itself): refused by name."""
+    target = make_target("llama")
+    if not target.prepack():
+        pytest.skip("no oneDNN packing on this machine")
+    with pytest.raises(ValueError, match="pre-packed"):
+        TargetAdapter(target.model, name="twin").compile_decoding()
