@@ -30,7 +30,7 @@ STAGE=${STAGE:-/tmp/griffin-gpu}
 GPU_DIR=${GPU_DIR:-.gpu}  # the staged parts, here (ignored by git: carried by name)
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}  # there: the image's python3
 DRY=${DRY:-0}
-STEPS=${STEPS:-install tests pipeline decode drafts results}
+STEPS="${STEPS:-install tests pipeline decode drafts} results"  # results always: each lease writes its gpu.json
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
