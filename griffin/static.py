@@ -63,10 +63,12 @@ def compile_step(fn: Any, device: torch.device) -> Any:
 
 def mark_static(tensors: list[torch.Tensor]) -> None:
     """Tell CUDA-graph capture that these buffers (the KV caches) keep their address across calls,
-    so a graph may write them in place; a no-op off CUDA."""
+    so a graph may write them in place; a no-op off CUDA. Unguarded: another engine's buffers (an
+    evaluation's vanilla and speculative engines) reuse the compiled graph and record their own
+    CUDA graph, rather than compiling it again."""
     for tensor in tensors:
         if tensor.is_cuda:
-            torch._dynamo.mark_static_address(tensor)
+            torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 def step_begin(device: torch.device) -> None:
