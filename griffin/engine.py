@@ -60,6 +60,14 @@ class SpeculationPolicy:
     def tree_for(self, batch: int) -> TreeConfig | None:
         return [tree for size, tree in self.trees.items() if size <= batch][-1]
 
+    @property
+    def tree_slack(self) -> int:
+        """KV entries a round may write past a row's length: the widest tree, plus its draft levels."""
+        trees = [t for t in self.trees.values() if t]
+        return max((t.total_tokens for t in trees), default=1) + max(
+            ((t.depth - 1) * t.top_k for t in trees), default=0
+        )
+
     def describe(self) -> dict[int, dict | None]:
         return {size: (tree.model_dump() if tree else None) for size, tree in self.trees.items()}
 
@@ -107,8 +115,7 @@ class BatchEngine:
         self.waiting: deque[Row] = deque()
         self.rows: list[Row] = []  # active, row i in slot i
         self.lock = threading.Condition()
-        widest = max((t.total_tokens for t in policy.trees.values() if t), default=1)
-        self.tree_slack = widest + max(((t.depth - 1) * t.top_k for t in policy.trees.values() if t), default=0)
+        self.tree_slack = policy.tree_slack
         # compiled decoding (griffin.static) follows the target: compile_decoding() at load
         self.compiled = target.compiled_forward is not None
         if self.compiled and draft is not None:
@@ -371,22 +378,27 @@ def generate_batch(
 
 @contextlib.contextmanager
 def _engine_for(target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy, max_rows: int):
-    """An idle engine for one offline decode. Compiled decoding keeps one per (draft, policy, rows) on
-    the target and reuses it: CUDA graphs are captured over the engine's KV buffers, and a new engine
-    per call (an evaluation's every question) would capture them again. Eager decoding, or a
-    reusable engine already in use by another thread, gets a fresh one."""
+    """An idle engine for one offline decode. Compiled decoding keeps one engine per draft on the
+    target and reuses it with the call's policy: CUDA graphs are captured over the engine's KV
+    buffers (the whole context for every row), and a new engine per call (an evaluation's every
+    question, tune-tree's every candidate) would capture them again and hold its own buffers. It is
+    replaced by a larger one when a call needs more rows or a wider tree. Eager decoding, or a
+    pooled engine in use by another thread, gets a fresh one."""
     if target.compiled_forward is None:
         yield BatchEngine(target, draft, policy, max_rows)
         return
-    key = (id(draft), tuple((size, tree and tree.model_dump_json()) for size, tree in policy.trees.items()), max_rows)
     pool = target.__dict__.setdefault("idle_engines", {})
-    engine, lock = pool.get(key) or pool.setdefault(
-        key, (BatchEngine(target, draft, policy, max_rows), threading.Lock())
-    )
+    engine, lock = pool.setdefault(id(draft), (None, threading.Lock()))
     if not lock.acquire(blocking=False):
         yield BatchEngine(target, draft, policy, max_rows)
         return
     try:
+        if engine is None or engine.max_rows < max_rows or engine.tree_slack < policy.tree_slack:
+            pool[id(draft)] = (None, lock)  # the old buffers go before the new ones are allocated
+            engine = None
+            engine = BatchEngine(target, draft, policy, max_rows)
+            pool[id(draft)] = (engine, lock)
+        engine.policy = policy
         yield engine
     finally:
         lock.release()
