@@ -98,7 +98,7 @@ def collect(out: Path) -> dict:
     figures = decode_figures(decode)
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "device": decode.get("device_name"),
+        "device": decode.get("device_name") or "device unknown (no decode step)",
         "hardware": decode.get("hardware"),
         "torch": decode.get("torch"),
         "tree": decode.get("tree"),
