@@ -127,7 +127,8 @@ class BatchEngine:
         self.draft_cache = None
         if draft is not None:
             self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, 2 * capacity, draft.param_dtype, target.device)
-        self._mark_static()
+        if self.compiled:  # CUDA graphs write these buffers in place; sized for the whole context, they never move
+            mark_static(self.cache.buffers() + (self.draft_cache.buffers() if self.draft_cache is not None else []))
         self.rounds, self.last_batch = 0, 0
 
     # ---- requests ----
@@ -228,18 +229,10 @@ class BatchEngine:
         """Room for a request of ``need`` positions (prompt + new tokens) plus a tree; growing doubles.
         The draft's rows also hold a catch-up padded to the longest pending run (at most a capacity)."""
         need += self.tree_slack + 1
-        if need <= self.cache.capacity:
-            return
-        self.cache.ensure_capacity(max(need, 2 * self.cache.capacity))
+        if need > self.cache.capacity:
+            self.cache.ensure_capacity(max(need, 2 * self.cache.capacity))
         if self.draft_cache is not None:
             self.draft_cache.ensure_capacity(2 * self.cache.capacity)
-        self._mark_static()
-
-    def _mark_static(self) -> None:
-        """Compiled decoding on CUDA writes the KV buffers inside its graphs: they keep their address
-        until they grow (a new capture then)."""
-        if self.compiled:
-            mark_static(self.cache.buffers() + (self.draft_cache.buffers() if self.draft_cache is not None else []))
 
     def _round(self) -> None:
         rows, device = self.rows, self.target.device
