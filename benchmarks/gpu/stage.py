@@ -72,7 +72,7 @@ def write_sharegpt(dest: Path, conversations: int) -> Path:
 
 
 def split(bundle: Path, parts_dir: Path, part_bytes: int) -> dict:
-    """``bundle`` -> parts_dir/part-NN of at most ``part_bytes``, and the manifest."""
+    """``bundle`` -> parts_dir/part-NN of at most ``part_bytes``; returns the manifest (``stage`` writes it)."""
     parts_dir.mkdir(parents=True, exist_ok=True)
     parts = []
     with bundle.open("rb") as f:
@@ -80,9 +80,7 @@ def split(bundle: Path, parts_dir: Path, part_bytes: int) -> dict:
             part = parts_dir / f"part-{index:02d}"
             part.write_bytes(block)
             parts.append({"name": part.name, "bytes": len(block), "sha256": hashlib.sha256(block).hexdigest()})
-    manifest = {"bundle": bundle.name, "bytes": bundle.stat().st_size, "sha256": sha256(bundle), "parts": parts}
-    (parts_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return {"bundle": bundle.name, "bytes": bundle.stat().st_size, "sha256": sha256(bundle), "parts": parts}
 
 
 def stage(
