@@ -1,6 +1,8 @@
 """Token-alignable training losses: shift, alignment masks, per-pass backward, overfitting."""
 
+import faulthandler
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -264,6 +266,26 @@ def test_out_of_vocab_positions_leave_every_loss():
         token_alignable_step(draft, batch, cfg, plan, backward=False)
 
 
+_RANK_LIMIT_S = 180  # one rank's whole life; it takes ~5 s alone, under a loaded suite far more
+
+
+def _run_ranks(fn, *args, world_size: int = 2) -> None:
+    """Runs ``fn(rank, *args)`` in ``world_size`` spawned processes and fails if any fails or outlives
+    its limit. Daemonic: a rank left behind can never keep pytest from exiting."""
+    import torch.multiprocessing as mp
+
+    ranks = mp.start_processes(fn, args, nprocs=world_size, join=False, daemon=True, start_method="spawn")
+    deadline = time.monotonic() + _RANK_LIMIT_S + 30
+    try:
+        while not ranks.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"DDP ranks still running after {_RANK_LIMIT_S + 30} s")
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+
+
 def _ddp_full_backprop(rank: int, rendezvous: str, out: str) -> None:
     """One rank: a DDP-wrapped GRIFFIN-3 draft, one full-TTT step (three forwards, one backward)."""
     from datetime import timedelta
@@ -271,6 +293,9 @@ def _ddp_full_backprop(rank: int, rendezvous: str, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    # a rank stuck anywhere (not only in a collective, which gloo's timeout covers) prints its stack and
+    # exits, so the parent reports it instead of waiting
+    faulthandler.dump_traceback_later(_RANK_LIMIT_S, exit=True)
     # a file rendezvous: no port to race for with the Ray workers of the rest of the suite; a time
     # limit, so that a stuck rendezvous fails instead of hanging
     dist.init_process_group(
@@ -286,15 +311,14 @@ def _ddp_full_backprop(rank: int, rendezvous: str, out: str) -> None:
     )
     if rank == 0:
         torch.save({n: p.grad for n, p in draft.named_parameters()}, out)
-    dist.destroy_process_group()
+    # no destroy_process_group: with gloo it can hang at random (pytorch/pytorch#75097); the process
+    # ends here and takes its group with it
 
 
 def test_full_backprop_under_ddp_matches_one_process(tmp_path):
     """Under DDP (as Ray Train wraps the draft), full TTT backprop's three forwards and one backward
     give every rank the mean of the two ranks' single-process gradients."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_ddp_full_backprop, args=(str(tmp_path / "rendezvous"), str(tmp_path / "grads.pt")), nprocs=2, join=True)
+    _run_ranks(_ddp_full_backprop, str(tmp_path / "rendezvous"), str(tmp_path / "grads.pt"))
     ddp = torch.load(tmp_path / "grads.pt", weights_only=True)
     torch.manual_seed(0)
     target = make_target("llama", num_hidden_layers=5)
