@@ -3,8 +3,8 @@
 Each ``step()``:
 - admits at most one waiting request into a free slot and prefills it alone (a long prompt stalls
   running rows for one prefill, never more);
-- picks the round's tree from the ``SpeculationPolicy`` for the number of active rows (``None``:
-  plain decoding, one token per row, the draft idle);
+- picks the round's tree from the ``SpeculationPolicy`` for the load: active rows plus requests
+  waiting for a slot (``None``: plain decoding, one token per row, the draft idle);
 - drafts every row's tree in one batched draft pass per level, verifies every row's tree in one
   batched target pass (trees padded to the widest; see griffin.rows for per-row lengths);
 - accepts per row, with the row's own ``SamplingConfig`` and generator (griffin.verify), and hands
@@ -234,10 +234,17 @@ class BatchEngine:
         if self.draft_cache is not None:
             self.draft_cache.ensure_capacity(2 * self.cache.capacity)
 
+    def _load(self) -> int:
+        """The batch size the policy sees: active rows plus those waiting for a slot. A burst is
+        admitted one prefill per round; counting it whole keeps the first rows from drafting (slower
+        rounds) while the rest wait to join a batch that will decode plainly anyway."""
+        with self.lock:
+            return min(self.max_rows, len(self.rows) + len(self.waiting))
+
     def _round(self) -> None:
         rows, device = self.rows, self.target.device
         drafting = self.draft is not None and any(row.request.speculative for row in rows)
-        tree = self.policy.tree_for(len(rows)) if drafting else None
+        tree = self.policy.tree_for(self._load()) if drafting else None
         start = device_time(device)
         trees = self._draft(tree) if tree is not None else None
         mid = device_time(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -95,6 +96,11 @@ def opened_outside_checkout() -> list[str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    # a child process a failed test left behind (e.g. a stuck DDP rank) would keep pytest from exiting:
+    # the interpreter joins non-daemonic multiprocessing children at exit
+    for child in multiprocessing.active_children():
+        print(f"\nkilling a leftover child process: {child.name} (pid {child.pid})")
+        child.kill()
     outside = opened_outside_checkout()
     if outside:
         print(

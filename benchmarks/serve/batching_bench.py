@@ -58,7 +58,9 @@ def at_once(url, questions, new, speculative=True):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--policy", help="a tune_tree.json whose policy the replica serves with")
+    parser.add_argument(
+        "--policy", help="a tune_tree.json whose policy the replica serves with (default: the config's)"
+    )
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
@@ -107,7 +109,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_identity(),
         "dtype": args.dtype,
-        "policy": policy or {"1": cfg.decode.tree.model_dump()},
+        "policy": cfg.speculation_policy.describe(),
         "new_tokens": args.new,
         "reps": args.reps,
         "tokens_per_s": rate,

@@ -115,10 +115,10 @@ class RunConfig(Section):
     @property
     def speculation_policy(self) -> Any:
         """The serving engine's tree per batch size (griffin.engine.SpeculationPolicy): ``decode.policy``,
-        or ``decode.tree`` at every batch size."""
+        with ``decode.tree`` below its smallest batch size (at every size without a policy)."""
         from griffin.engine import SpeculationPolicy
 
-        return SpeculationPolicy(self.decode.policy or {1: self.decode.tree})
+        return SpeculationPolicy({1: self.decode.tree, **(self.decode.policy or {})})
 
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)

@@ -89,3 +89,16 @@ def test_the_feature_store_may_be_an_object_store():
     """The store is read and written through pyarrow's filesystems (pipeline.data.store._fs): kept as given."""
     cfg = load_config("jobs/configs/tiny.yaml", ["features.store=s3://bucket/features"])
     assert cfg.store_path == "s3://bucket/features" and Path(cfg.output_dir).is_absolute()
+
+
+def test_the_speculation_policy_drafts_decode_tree_below_its_smallest_batch():
+    """The CPU configs' policy {3: null} keeps batch 1-2 on decode.tree (an override of it included) and
+    decodes plainly from 3 rows; a policy key below 1 is refused by name."""
+    cfg = load_config("jobs/configs/smollm2-quick.yaml", ["decode.tree.total_tokens=8"])
+    policy = cfg.speculation_policy
+    assert policy.tree_for(1) == policy.tree_for(2) == cfg.decode.tree
+    assert cfg.decode.tree.total_tokens == 8
+    assert policy.tree_for(3) is None and policy.tree_for(16) is None
+    assert load_config("jobs/configs/tiny.yaml").speculation_policy.tree_for(8) is not None  # no policy
+    with pytest.raises(ValueError, match="batch sizes"):
+        load_config("jobs/configs/tiny.yaml", ["decode.policy={0: null}"])
