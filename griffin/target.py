@@ -1,9 +1,9 @@
-"""One adapter over any HF llama/qwen2/mistral-family causal LM (one adapter, no forked modeling code).
+"""One adapter over the HF causal LM families of griffin.families (one adapter, no forked modeling code).
 
 It needs four things from the target and gets them from stock transformers, with no forked
 ``modeling_*.py``: a prefill/verify forward returning the post-norm last-layer features
-(docs/method.md §1) and logits, a 4-D tree mask passed as ``attention_mask`` (HF returns a 4-D mask
-as-is), a preallocated KV cache plugged in as a ``Cache`` of our own layers, and the frozen
+(docs/method.md §1) and logits, a 4-D tree mask passed as ``attention_mask``, one per layer kind for windowed
+layers (HF uses a 4-D mask as given), a preallocated KV cache plugged in as a ``Cache`` of our own layers, and the frozen
 embedding / LM head.
 
 Shape legend: T tokens, N tree nodes, D hidden, V vocab, S cached positions, Hk kv heads, Dh head dim.
@@ -20,8 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from griffin.families import AttentionLayout, check_attention_implementation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -201,6 +203,9 @@ class TargetAdapter:
         self.backbone = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
         self.hf_config = hf_model.config
+        # refused here, not mid-decode: a family that cannot decode losslessly, or flash/flex attention
+        self.layout = AttentionLayout.of(self.hf_config)
+        check_attention_implementation(self.hf_config)
         self.tokenizer = tokenizer
         self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
         self.revision = revision  # the hub revision it was loaded at (lineage); None: the default or not the hub
@@ -220,14 +225,16 @@ class TargetAdapter:
         **kwargs: Any,
     ) -> "TargetAdapter":
         """Load from a local directory, an asset name (see ``griffin.assets``) or an HF hub id; ``revision``
-        (a branch, tag or commit of the hub id) reaches both the weights and the tokenizer."""
+        (a branch, tag or commit of the hub id) reaches both the weights and the tokenizer. The family is
+        checked from the config before any weight is read (griffin.families)."""
         from griffin.assets import resolve_target_path
 
         path = resolve_target_path(str(path_or_name), revision)
+        family = AttentionLayout.of(AutoConfig.from_pretrained(path, revision=revision)).family
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=resolve_dtype(dtype),
-            attn_implementation=kwargs.pop("attn_implementation", "sdpa"),
+            attn_implementation=kwargs.pop("attn_implementation", "sdpa" if family.sdpa else "eager"),
             revision=revision,
             **kwargs,
         ).to(device)
@@ -378,12 +385,8 @@ class TargetAdapter:
     ) -> tuple[Tensor, Tensor]:
         if positions is None:
             positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=self.device)
-        attn = None
-        if mask is not None:
-            # additive float mask works for both sdpa and eager attention
-            attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
-            attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
-            attn = attn[None, None] if mask.ndim == 2 else attn[:, None]  # (B, 1, T, S)
+        # additive (B, 1, T, S) masks, windowed per layer kind (None: transformers builds its own)
+        attn = None if mask is None else self.layout.masks(mask, positions, self.dtype)
         out = self.backbone(
             input_ids=tokens,
             position_ids=positions if positions.ndim == 2 else positions[None],
