@@ -45,7 +45,9 @@ class TargetSection(Section):
         "weights for oneDNN (no-op elsewhere)",
     )
     tiny: dict[str, Any] | None = Field(
-        default=None, description="build a random target from these LlamaConfig fields instead (tests)"
+        default=None,
+        description="build a seeded random target from these transformers config fields instead (tests, "
+        "griffin check-target); model_type picks the family (default llama)",
     )
 
 

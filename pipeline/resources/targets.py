@@ -52,23 +52,30 @@ def tiny_tokenizer() -> Any:
 
 
 def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> TargetAdapter:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A seeded random target of ``fields`` (a transformers config's fields; ``model_type`` picks the
+    family, llama by default) with the byte-level tokenizer; refused like any target of an unsupported
+    family (griffin.families)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from griffin.families import family_of
 
     tokenizer = tiny_tokenizer()
+    fields = dict(fields)
+    model_type = fields.pop("model_type", "llama")
     vocab = max(fields.get("vocab_size", 0), len(tokenizer))
-    config = LlamaConfig(
-        **{**fields, "vocab_size": vocab},
+    config = AutoConfig.for_model(
+        model_type,
+        **{"tie_word_embeddings": False, **fields, "vocab_size": vocab},
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
     )
-    config._attn_implementation = "sdpa"
+    attention = "sdpa" if family_of(config).sdpa else "eager"
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)  # identical weights in every process that builds it
-    model = LlamaForCausalLM(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(dtype)
     torch.random.set_rng_state(generator_state)
-    return TargetAdapter(model, tokenizer, name="tiny-llama")
+    return TargetAdapter(model, tokenizer, name=f"tiny-{model_type}")
 
 
 def load_target(

@@ -106,6 +106,24 @@ def _exact_joint(target, prompt, sampling):
     return p1[:, None] * p2
 
 
+def chi_square_p(counts, probabilities, n):
+    """p-value of observed ``counts`` against ``n`` draws from ``probabilities`` (same shape), cells
+    expecting fewer than 5 draws pooled into one; a cell of probability 0 must never be drawn."""
+    from scipy.stats import chisquare
+
+    expected = probabilities.double().flatten() * n
+    keep = expected > 5  # chi-square needs populated cells; the rest are pooled into one
+    observed, expected = counts.double().flatten()[keep], expected[keep]
+    pooled_observed, pooled_expected = counts.double().flatten()[~keep].sum(), n - expected.sum()
+    if pooled_expected > 1e-9:
+        observed = torch.cat([observed, pooled_observed[None]])
+        expected = torch.cat([expected, pooled_expected[None]])
+    else:  # tokens the warper removed must never be produced
+        assert pooled_observed == 0
+    expected = expected * (observed.sum() / expected.sum())  # float round-off: chisquare checks totals
+    return chisquare(observed.double().numpy(), expected.numpy()).pvalue
+
+
 @pytest.mark.parametrize(
     "variant,sampling,n",
     [
@@ -119,8 +137,6 @@ def test_sampling_matches_target_end_to_end(variant, sampling, n):
     """Joint law of the first two sampled tokens (the second goes through tree verification) ==
     the target's, by a chi-square test over n seeded generations (the 20k-draw test of the
     verifier itself is in test_verify.py). EAGLE-3 reads the target's layer 2 (of 5)."""
-    from scipy.stats import chisquare
-
     target = make_target("llama", vocab_size=8, seed=7, **({"num_hidden_layers": 5} if variant == "eagle3" else {}))
     draft = GriffinDraft.for_target(target, variant=variant)
     torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)  # a confident, wrong-ish draft
@@ -131,17 +147,7 @@ def test_sampling_matches_target_end_to_end(variant, sampling, n):
             target, draft, prompt, tree, sampling, 2, torch.Generator().manual_seed(seed), stop_token_ids=[]
         ).tokens
         counts[out[0], out[1]] += 1
-    expected = _exact_joint(target, prompt, sampling).double().flatten() * n
-    keep = expected > 5  # chi-square needs populated cells; the rest are pooled into one
-    observed, expected = counts.double().flatten()[keep], expected[keep]
-    pooled_observed, pooled_expected = counts.double().flatten()[~keep].sum(), n - expected.sum()
-    if pooled_expected > 1e-9:
-        observed = torch.cat([observed, pooled_observed[None]])
-        expected = torch.cat([expected, pooled_expected[None]])
-    else:  # tokens the warper removed must never be produced
-        assert pooled_observed == 0
-    expected = expected * (observed.sum() / expected.sum())  # float round-off: chisquare checks totals
-    p_value = chisquare(observed.double().numpy(), expected.numpy()).pvalue
+    p_value = chi_square_p(counts, _exact_joint(target, prompt, sampling), n)
     assert p_value > 1e-3, f"chi-square p-value {p_value:.2e}"
 
 
