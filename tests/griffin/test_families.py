@@ -149,6 +149,8 @@ def test_sampling_law_with_windows(model_type):
     from tests.griffin.test_decode import _exact_joint, chi_square_p
 
     target = build(model_type, seed=7, vocab_size=8, sliding_window=2)
+    with torch.no_grad():  # peaked, context-dependent laws: a verify pass that ignored the window would show
+        target.lm_head.weight.mul_(6.0)
     draft = GriffinDraft.for_target(target)
     torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)  # a confident, wrong-ish draft
     prompt, sampling, n = torch.tensor([[1, 4, 3, 5]]), SamplingConfig(temperature=1.0), 1200
