@@ -152,6 +152,11 @@ class TreeConfig(_Frozen):
             )
         return self
 
+    @property
+    def label(self) -> str:
+        """ "total_tokens/depth/top_k", e.g. "60/6/10" (tables, logs)."""
+        return f"{self.total_tokens}/{self.depth}/{self.top_k}"
+
 
 class SamplingConfig(_Frozen):
     """Target sampling. temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""

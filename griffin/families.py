@@ -175,7 +175,9 @@ class AttentionLayout:
         rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "per layer kind"
         if rope_type != "default":
             lines.append(f"RoPE scaling: {rope_type}")
-        experts = next((getattr(hf_config, k) for k in ("num_local_experts", "num_experts") if hasattr(hf_config, k)), 0)
+        experts = next(
+            (getattr(hf_config, k) for k in ("num_local_experts", "num_experts") if hasattr(hf_config, k)), 0
+        )
         if experts:
             lines.append(f"MoE routing: {experts} experts")
         caps = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(hf_config, k, None)]
@@ -196,7 +198,10 @@ class AttentionLayout:
         mask = mask if mask.ndim == 3 else mask[None]
         positions = positions if positions.ndim == 2 else positions[None]
         positions = positions.expand(mask.shape[0], -1)  # (B, T)
-        kinds = {kind: mask if kind == FULL else mask & self._in_window(positions, mask.shape[-1]) for kind in set(self.layer_kinds)}
+        kinds = {
+            kind: mask if kind == FULL else mask & self._in_window(positions, mask.shape[-1])
+            for kind in set(self.layer_kinds)
+        }
         additive = {kind: _additive(seen, dtype) for kind, seen in kinds.items()}
         return next(iter(additive.values())) if len(additive) == 1 else additive
 

@@ -25,6 +25,10 @@ DISTRIBUTION = "griffin-drafts"  # project.name in pyproject.toml
 # command -> ("module:function", help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("pipeline.resources.targets:run_assets", "prepare the target (PyPI asset -> safetensors cache)"),
+    "check-target": (
+        "pipeline.resources.check_target:run_check_target",
+        "is the target's family supported, and is speculative decoding on it lossless (T=0, untrained draft)",
+    ),
     "regenerate": ("pipeline.data.regenerate:run_regenerate", "the target answers the training conversations itself"),
     "featurize": ("pipeline.data.featurize:run_featurize", "run the target over conversations into the feature store"),
     "train": ("pipeline.train.driver:run_train", "token-alignable training on Ray Train"),
@@ -114,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
             add_bench_serve_flags(p)
         if name in ("eval", "tune-tree"):
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
+        if name == "check-target":
+            p.add_argument(
+                "--config-only", action="store_true", default=None, help="only the family check: load no weights"
+            )
+            p.add_argument(
+                "--prompts", type=int, help="prompts decoded (default 3; the first is longer than any window)"
+            )
+            p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 24)")
         if name == "tune-tree":
             p.add_argument("--prompts", type=int, help="calibration prompts (default decode.tune_prompts)")
             p.add_argument(

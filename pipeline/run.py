@@ -120,9 +120,14 @@ def run_all(cfg: RunConfig) -> dict[str, Any]:
     Holds the run directory's lease (``pipeline.lock``; re-entrant: ``griffin run`` already holds it) so
     that a caller from Python is kept from another writer too."""
     from pipeline.lock import run_lock
+    from pipeline.resources.check_target import check_family
     from pipeline.runtime import ensure_ray, pipeline_run
 
     banner = Banners(cfg)
+    # the family check reads the config only: an unsupported target is refused before Ray starts or a
+    # stage spends anything (griffin check-target also checks decoding)
+    family = check_family(cfg)
+    say(f"target family {family['family']}: " + "; ".join(family["uses"]))
     with run_lock(cfg.run_dir, "pipeline.run.run_all"):
         ensure_ray(cfg)
         with pipeline_run(cfg) as run:

@@ -79,7 +79,7 @@ def measure_policy(
 
 
 def _label(tree: TreeConfig | None) -> str:
-    return "plain" if tree is None else f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"
+    return "plain" if tree is None else tree.label
 
 
 def policy_json(policy: dict[int, TreeConfig | None]) -> dict[str, Any]:

@@ -337,6 +337,6 @@ def log_report(cfg: Any, report: dict[str, Any], eval_dir: Path, draft_uri: str 
             }
             # a real T=0 divergence (not a bf16 near-tie) blocks promotion (registry._refusal)
             broken = sum(m["method"] == label for result in report["results"].values() for m in violations(result))
-            about = {"eval_run_id": run.info.run_id, "eval_tree": f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"}
+            about = {"eval_run_id": run.info.run_id, "eval_tree": tree.label}
             record_evaluation(mlflow.MlflowClient(), name, number, taus, broken, **about)
     return run.info.run_id

@@ -1,0 +1,144 @@
+"""``griffin check-target -c CONFIG``: will speculative decoding be lossless on this target?
+
+Before GPU hours go into featurizing and training, this answers for the user's own target (``target.name``:
+a hub id, a directory or an asset; or a ``target.tiny`` config):
+1. its family and what it uses, from its config alone (griffin.families), or the refusal that names why;
+2. unless ``--config-only``: a short T=0 check on the loaded target, as the run would decode it
+   (``target.dtype``, ``decode.compile``), with an *untrained* draft of the configured variant. Nearly
+   every draft token is rejected, so every round takes a different path through the tree mask. Prompts
+   are longer than the target's window, so windowed layers cut the prefix. Checked: vanilla decoding ==
+   transformers' greedy ``generate`` (first prompt), speculative decoding of each prompt alone ==
+   vanilla, and all prompts batched through one slot fewer than prompts (one joins mid-flight) == vanilla.
+
+The verdict is "lossless", "refused" or "diverged"; a divergence names its prompt, position, the two tokens
+and the target's top-2 logit gap there (in bf16 a gap near 0 is a near-tie, not a bug: rerun with
+``target.dtype=float32`` to tell them apart). ``griffin run`` runs step 1 before anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.console import say
+
+
+def target_config(cfg: RunConfig) -> Any:
+    """The target's transformers config, read without loading any weight."""
+    from transformers import AutoConfig
+
+    from griffin.assets import resolve_target_path
+
+    section = cfg.target
+    if section.tiny is not None:
+        fields = dict(section.tiny)
+        return AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    return AutoConfig.from_pretrained(resolve_target_path(section.name, section.revision), revision=section.revision)
+
+
+def check_family(cfg: RunConfig) -> dict[str, Any]:
+    """The target's family and what it uses; ``UnsupportedTarget`` (a ValueError) naming why not."""
+    from griffin.families import AttentionLayout
+
+    config = target_config(cfg)
+    layout = AttentionLayout.of(config)
+    return {"family": layout.family.name, "model_type": layout.family.model_type, "uses": layout.describe(config)}
+
+
+def run_check_target(
+    cfg: RunConfig, config_only: bool = False, prompts: int = 3, max_new_tokens: int = 24
+) -> dict[str, Any]:
+    from griffin.families import UnsupportedTarget
+
+    try:
+        report = check_family(cfg)
+    except UnsupportedTarget as refusal:
+        say(f"verdict: REFUSED. {refusal}")
+        return {"target": cfg.target.name, "verdict": "refused", "reason": str(refusal), "exit_code": 1}
+    say(f"target {cfg.target.name}: family {report['family']} ({report['model_type']})")
+    for line in report["uses"]:
+        say(f"  uses {line}")
+    report = {"target": cfg.target.name, **report}
+    if config_only:
+        say("verdict: SUPPORTED family (config only: decoding not checked; drop --config-only to check it)")
+        return {**report, "verdict": "supported (config only)", "exit_code": 0}
+    report.update(_check_decoding(cfg, prompts, max_new_tokens))
+    return {**report, "exit_code": 0 if report["verdict"] == "lossless" else 1}
+
+
+def _check_decoding(cfg: RunConfig, count: int, new: int) -> dict[str, Any]:
+    """Step 2: T=0 exactness of speculative decoding with an untrained draft, alone and batched."""
+    from griffin.decode import speculative_generate, vanilla_generate
+    from griffin.engine import DecodeRequest, generate_batch
+    from griffin.model import GriffinDraft
+    from pipeline.resources.targets import load_target
+
+    if count < 2:
+        raise ValueError(f"--prompts {count}: the batched check needs at least 2 prompts")
+    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile)
+    torch.manual_seed(0)
+    draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, **cfg.draft.overrides)
+    draft = draft.to(target.device)
+    prompts = _prompts(target, count, new)
+    greedy, tree = cfg.sampling(0.0), cfg.decode.tree
+    say(f"decoding {count} prompts of {len(prompts[0])}+ tokens, {new} new tokens each, tree {tree.label}")
+    reference = [vanilla_generate(target, p[None], greedy, new, stop_token_ids=[]).tokens for p in prompts]
+    hf = target.model.generate(
+        prompts[0][None], max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, prompts[0].numel() :].tolist()
+    runs = {"vanilla vs transformers generate": [(0, hf, reference[0])]}
+    runs["speculative, alone"] = [
+        (i, ref, speculative_generate(target, draft, p[None], tree, greedy, new, stop_token_ids=[]).tokens)
+        for i, (p, ref) in enumerate(zip(prompts, reference))
+    ]
+    requests = [DecodeRequest(p.tolist(), greedy, new - 2 * i, stop_token_ids=[]) for i, p in enumerate(prompts)]
+    batched = generate_batch(target, draft, requests, cfg.speculation_policy, max_rows=count - 1)
+    runs["speculative, batched"] = [
+        (i, ref[: new - 2 * i], r.tokens) for i, (ref, r) in enumerate(zip(reference, batched))
+    ]
+    for name, results in runs.items():
+        divergence = next((_divergence(target, prompts[i], ref, got, i) for i, ref, got in results if got != ref), None)
+        say(f"  {name}: " + ("identical" if divergence is None else "DIVERGED at " + _describe(divergence)))
+        if divergence is not None:
+            say("verdict: DIVERGED (the first divergence is above)")
+            return {"verdict": "diverged", "check": name, "first_divergence": divergence}
+    say("verdict: LOSSLESS on these prompts (speculative == vanilla == transformers' greedy, token for token)")
+    return {"verdict": "lossless", "prompts": count, "prompt_tokens": len(prompts[0]), "new_tokens": new}
+
+
+def _prompts(target: Any, count: int, new: int) -> list[torch.Tensor]:
+    """``count`` seeded random prompts, the first longer than the target's window (or 32 tokens without
+    one), each a little shorter than the last, within the context."""
+    window = target.layout.window or 0
+    longest = min(max(32, window + 16), target.max_context - new - 1)
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, target.vocab_size, (max(1, longest - 3 * i),), generator=generator).to(target.device)
+        for i in range(count)
+    ]
+
+
+def _describe(d: dict[str, Any]) -> str:
+    return (
+        f"prompt {d['prompt']}, new token {d['position']}: expected {d['expected']}, got {d['got']} "
+        f"(the target's top-2 logit gap there: {d['top2_logit_gap']} in {d['dtype']})"
+    )
+
+
+def _divergence(target: Any, prompt: torch.Tensor, expected: list[int], got: list[int], index: int) -> dict[str, Any]:
+    """Where ``got`` first leaves ``expected``, and how close the target's top two logits were there."""
+    at = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    sequence = torch.cat([prompt, torch.tensor(expected[:at], dtype=torch.long, device=prompt.device)])
+    with torch.inference_mode():
+        logits = target.model(sequence[None]).logits[0, -1].float()
+    top = logits.topk(2).values
+    return {
+        "prompt": index,
+        "position": at,
+        "expected": expected[at] if at < len(expected) else None,
+        "got": got[at] if at < len(got) else None,
+        "top2_logit_gap": round(float(top[0] - top[1]), 6),
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
