@@ -154,7 +154,7 @@ class TreeConfig(_Frozen):
 
     @property
     def label(self) -> str:
-        """ "total_tokens/depth/top_k", e.g. "60/6/10" (tables, logs)."""
+        """The tree as total_tokens/depth/top_k, e.g. 60/6/10 (tables, logs)."""
         return f"{self.total_tokens}/{self.depth}/{self.top_k}"
 
 

@@ -70,11 +70,16 @@ class RowSlots:
 
 
 class RowTensors:
-    """One attention layer's keys and values for every slot: (S, Hk, capacity, Dh), zero-filled."""
+    """One attention layer's keys and values for every slot: (S, Hk, capacity, Dh), zero-filled, on the
+    layer's own device (a target split over GPUs: ``target.device_map``). Index tensors come from
+    ``RowSlots`` on the first layer's device and are moved here (a no-op on one device)."""
 
     def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device):
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    def _here(self, index: Tensor) -> Tensor:
+        return index.to(self.keys.device, non_blocking=True)
 
     def write(self, slots: RowSlots, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """keys/values (B, Hk, T, Dh) of rows [lo, hi) at each row's end -> this forward's (B, Hk, W, Dh) views."""
@@ -86,24 +91,26 @@ class RowTensors:
             self.keys[lo:hi, :, start : start + keys.shape[2]] = keys
             self.values[lo:hi, :, start : start + keys.shape[2]] = values
         else:
-            rows = slots.rows()
-            self.keys[rows, :, slots.cols] = keys.transpose(1, 2)  # indexed (B, T, Hk, Dh)
-            self.values[rows, :, slots.cols] = values.transpose(1, 2)
+            rows, cols = self._here(slots.rows()), self._here(slots.cols)
+            self.keys[rows, :, cols] = keys.transpose(1, 2)  # indexed (B, T, Hk, Dh)
+            self.values[rows, :, cols] = values.transpose(1, 2)
         return self.keys[lo:hi, :, :width], self.values[lo:hi, :, :width]
 
     def keep(self, rows: Tensor, targets: Tensor, sources: Tensor) -> None:
         """Per row, copy columns ``sources`` to ``targets`` (both (B, K)): the accepted tree path."""
+        rows, targets, sources = self._here(rows), self._here(targets), self._here(sources)
         picked_k, picked_v = self.keys[rows, :, sources], self.values[rows, :, sources]  # copies: no aliasing
         self.keys[rows, :, targets], self.values[rows, :, targets] = picked_k, picked_v
 
     def keep_one(self, slot: int, start: int, sources: Tensor) -> None:
         """One row's ``keep``: columns ``sources`` (K,) to [start, start + K)."""
-        end = start + sources.numel()
+        end, sources = start + sources.numel(), self._here(sources)
         self.keys[slot, :, start:end] = self.keys[slot, :, sources]  # rhs is a gathered copy
         self.values[slot, :, start:end] = self.values[slot, :, sources]
 
     def zero(self, rows: Tensor, cols: Tensor) -> None:
         """rows and cols (Z,) -> those entries are zero again."""
+        rows, cols = self._here(rows), self._here(cols)
         self.keys[rows, :, cols] = 0
         self.values[rows, :, cols] = 0
 
@@ -154,11 +161,18 @@ class RowLayer(CacheLayerMixin):
 
 
 class RowCache(Cache):
-    """Every layer's ``RowTensors`` plus the shared ``RowSlots``: the KV of S request slots."""
+    """Every layer's ``RowTensors`` plus the shared ``RowSlots``: the KV of S request slots. ``device``:
+    one for every layer, or a list with each layer's (a target split over devices)."""
 
-    def __init__(self, shapes: list[tuple[int, int, int, int]], dtype: torch.dtype, device: torch.device):
-        self.slots = RowSlots(shapes[0][0], shapes[0][2], device)
-        self.tensors = [RowTensors(shape, dtype, device) for shape in shapes]
+    def __init__(
+        self,
+        shapes: list[tuple[int, int, int, int]],
+        dtype: torch.dtype,
+        device: torch.device | list[torch.device],
+    ):
+        devices = device if isinstance(device, list) else [device] * len(shapes)
+        self.slots = RowSlots(shapes[0][0], shapes[0][2], devices[0])
+        self.tensors = [RowTensors(shape, dtype, d) for shape, d in zip(shapes, devices)]
         super().__init__(layers=[RowLayer(t, self.slots) for t in self.tensors])
 
     @classmethod

@@ -163,7 +163,7 @@ class PreallocatedLayer(CacheLayerMixin):
         """Move entries ``positions`` to [start, start + len) and drop everything after.
         E.g. start=10, positions=[10, 12, 15] (root, node 2, node 5 of a tree written at 10..)
         -> entries 10, 11, 12 now hold them, length = 13."""
-        end = start + positions.numel()
+        end, positions = start + positions.numel(), positions.to(self.keys.device)
         self.keys[:, :, start:end] = self.keys[:, :, positions]  # rhs is a gathered copy: no aliasing
         self.values[:, :, start:end] = self.values[:, :, positions]
         self.length = end
@@ -192,7 +192,8 @@ def layer_features(out: Any, feature_layers: tuple[int, ...] | None) -> Tensor:
     been called with ``output_hidden_states=list(feature_layers)``."""
     if not feature_layers:
         return out.last_hidden_state
-    return torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+    device = out.last_hidden_state.device  # a target split over devices: each layer's states are on its own
+    return torch.cat([out.hidden_states[i].to(device) for i in feature_layers], dim=-1)
 
 
 class TargetAdapter:
@@ -222,22 +223,27 @@ class TargetAdapter:
         dtype: str | torch.dtype = "bfloat16",
         device: str = "cpu",
         revision: str | None = None,
+        device_map: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> "TargetAdapter":
         """Load from a local directory, an asset name (see ``griffin.assets``) or an HF hub id; ``revision``
         (a branch, tag or commit of the hub id) reaches both the weights and the tokenizer. The family is
-        checked from the config before any weight is read (griffin.families)."""
+        checked from the config before any weight is read (griffin.families). ``device_map`` (e.g. "auto")
+        spreads a target too large for one device over the devices this process sees, layer by layer
+        (transformers' ``device_map``; ``device`` is then unused): each layer's KV cache lives beside it."""
         from griffin.assets import resolve_target_path
 
         path = resolve_target_path(str(path_or_name), revision)
         family = AttentionLayout.of(AutoConfig.from_pretrained(path, revision=revision)).family
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=resolve_dtype(dtype),
+            dtype=resolve_dtype(dtype, device),
             attn_implementation=kwargs.pop("attn_implementation", "sdpa" if family.sdpa else "eager"),
             revision=revision,
+            device_map=device_map,
             **kwargs,
-        ).to(device)
+        )
+        model = model if device_map is not None else model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
         return cls(model, tokenizer, name=str(path_or_name), revision=revision)
 
@@ -274,6 +280,19 @@ class TargetAdapter:
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        """Each decoder layer's device: one device, or a target split by ``device_map``."""
+        layers = getattr(self.backbone, "layers", None)
+        if layers is None or len(layers) != self.hf_config.num_hidden_layers:
+            return [self.device] * self.hf_config.num_hidden_layers
+        devices = [next(layer.parameters()).device for layer in layers]
+        if any(d.type == "meta" for d in devices):
+            raise ValueError(
+                "layers offloaded to disk or host memory (device_map) cannot hold a KV cache: give them a device"
+            )
+        return devices
 
     @property
     def embed_weight(self) -> Tensor:
@@ -323,10 +342,9 @@ class TargetAdapter:
         shape = self.kv_shape(capacity)
         layers = [
             PreallocatedLayer(
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=device), torch.empty(shape, dtype=self.dtype, device=device)
             )
-            for _ in range(self.hf_config.num_hidden_layers)
+            for device in self.layer_devices
         ]
         return TargetCache(layers)
 
@@ -335,7 +353,7 @@ class TargetAdapter:
         from griffin.rows import RowCache
 
         shapes = [self.kv_shape(capacity, rows)] * self.hf_config.num_hidden_layers
-        return RowCache(shapes, self.dtype, self.device)
+        return RowCache(shapes, self.dtype, self.layer_devices)
 
     # ---- forward passes ----------------------------------------------------------------
     def compile_decoding(self) -> None:
@@ -397,7 +415,8 @@ class TargetAdapter:
         )
         last = out.last_hidden_state  # (B, T, D), after the final norm
         logits = self.lm_head(last if all_logits else last[:, -1:])  # (B, T|1, V)
-        return layer_features(out, feature_layers), logits.float()
+        # a target split over devices hands the draft its features on the head's device (a no-op on one)
+        return layer_features(out, feature_layers).to(self.device), logits.float().to(self.device)
 
     def verify(
         self,

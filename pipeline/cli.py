@@ -119,19 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("eval", "tune-tree"):
             p.add_argument("--draft", help="draft URI or directory (default: the run's candidate)")
         if name == "check-target":
-            p.add_argument(
-                "--config-only", action="store_true", default=None, help="only the family check: load no weights"
-            )
-            p.add_argument(
-                "--prompts", type=int, help="prompts decoded (default 3; the first is longer than any window)"
-            )
-            p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 24)")
+            add_check_target_flags(p)
         if name == "tune-tree":
             p.add_argument("--prompts", type=int, help="calibration prompts (default decode.tune_prompts)")
             p.add_argument(
                 "--max-new-tokens", type=int, help="tokens per calibration prompt (default decode.tune_max_new_tokens)"
             )
     return parser
+
+
+def add_check_target_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-only", action="store_true", default=None, help="only the family check: load no weights")
+    p.add_argument("--prompts", type=int, help="prompts decoded (default 3; the first is longer than any window)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 24)")
 
 
 def _levels(text: str) -> tuple[int, ...]:

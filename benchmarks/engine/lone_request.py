@@ -31,16 +31,16 @@ OUT = Path(__file__).parent
 DRAFT = "drafts/smollm2-135m-instruct/griffin"
 
 
-def baseline_package(folder: Path) -> str:
-    """Extract griffin/ at BASELINE into folder/griffin_batch1 with its own imports renamed."""
-    archive = subprocess.run(["git", "archive", BASELINE, "griffin"], check=True, capture_output=True).stdout
+def baseline_package(folder: Path, commit: str = BASELINE, name: str = "griffin_batch1") -> str:
+    """Extract griffin/ at ``commit`` into folder/``name`` with its own imports renamed."""
+    archive = subprocess.run(["git", "archive", commit, "griffin"], check=True, capture_output=True).stdout
     tarfile.open(fileobj=io.BytesIO(archive)).extractall(folder, filter="data")
-    package = folder / "griffin_batch1"
+    package = folder / name
     (folder / "griffin").rename(package)
     for path in package.rglob("*.py"):
-        path.write_text(re.sub(r"\bgriffin\.", "griffin_batch1.", path.read_text()))
+        path.write_text(re.sub(r"\bgriffin\.", f"{name}.", path.read_text()))
     sys.path.insert(0, str(folder))
-    return "griffin_batch1"
+    return name
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
         old = baseline_package(Path(folder))
         old_decode = importlib.import_module(f"{old}.decode")
         old_config = importlib.import_module(f"{old}.config")
-        old_target, old_draft = _old_models(old, target, draft)
+        old_target, old_draft = old_models(old, target, draft)
         greedy, tree = SamplingConfig(), TreeConfig(total_tokens=12, depth=3, top_k=10)
         old_greedy, old_tree = old_config.SamplingConfig(), old_config.TreeConfig(**tree.model_dump())
         prompts = [
@@ -122,7 +122,7 @@ def main() -> None:
     (OUT / f"lone_request{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
-def _old_models(package: str, target, draft):
+def old_models(package: str, target, draft):
     """The baseline's own TargetAdapter over ``target``'s (pre-packed) model, and the draft loaded and
     pre-packed by the baseline's code: the same weights, the baseline's classes."""
     target_mod = importlib.import_module(f"{package}.target")

@@ -39,6 +39,12 @@ class TargetSection(Section):
         "AVX512-BF16), else float32",
     )
     device: str = "cpu"
+    device_map: str | dict[str, str | int] | None = Field(
+        default=None,
+        description="spread a target too large for one device over the devices its process gets, layer by "
+        "layer (transformers' device_map, e.g. auto; device is then unused): give featurize and regenerate "
+        "actors features.gpus_per_actor > 1, Serve replicas serve.num_gpus > 1",
+    )
     prepack: bool = Field(
         default=True,
         description="CPU decoding (serve, eval, tune-tree) in fp32 or native bf16: pre-pack linear "

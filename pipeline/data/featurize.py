@@ -97,7 +97,7 @@ class Featurizer:
         )
         features = out.last_hidden_state.cpu()  # (B, T, D), after the final norm (docs/method.md §1)
         stacked = (
-            torch.stack([out.hidden_states[i] for i in self.layers], dim=2).cpu() if self.layers else None
+            torch.stack([out.hidden_states[i].cpu() for i in self.layers], dim=2) if self.layers else None
         )  # (B, T, k, D)
         # right padding never reaches these
         return [

@@ -87,12 +87,21 @@ def load_target(
     dtype = resolve_dtype(section.dtype, section.device)
     device = device or section.device
     if section.tiny is not None:
-        if section.revision is not None:
-            raise ValueError("target.revision pins an HF hub id; a tiny target is built in memory and has none")
+        if section.revision is not None or section.device_map is not None:
+            raise ValueError(
+                "target.revision and target.device_map apply to loaded weights; a tiny target is built in memory"
+            )
         target = build_tiny_target(section.tiny, dtype)
         target.model.to(device)
     else:
-        target = TargetAdapter.from_pretrained(section.name, dtype=dtype, device=device, revision=section.revision)
+        target = TargetAdapter.from_pretrained(
+            section.name, dtype=dtype, device=device, revision=section.revision, device_map=section.device_map
+        )
+    if decoding and compile_enabled(compile, target.device) and len(set(target.layer_devices)) > 1:
+        raise ValueError(
+            f"decode.compile={compile} with a target split over {len(set(target.layer_devices))} devices "
+            "(target.device_map): compiled decoding runs on one device; set decode.compile=off"
+        )
     if decoding and compile_enabled(compile, target.device):
         target.compile_decoding()  # inductor packs the CPU weights itself (freezing): no prepack
     elif decoding and section.prepack:

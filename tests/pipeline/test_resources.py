@@ -97,3 +97,33 @@ def test_the_audit_hook_logs_opens_beside_the_checkout(tmp_path):
     code = f"open({str(REPO.parent / 'no-such-sibling' / 'f')!r})"
     subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
     assert "no-such-sibling" in log.read_text()
+
+
+def test_a_target_split_by_device_map_decodes_as_one(tmp_path, monkeypatch):
+    """``target.device_map`` reaches transformers' ``from_pretrained`` (here "auto" over this machine's one
+    device, the CPU: a split over several GPUs needs them), every layer's KV cache is placed on that
+    layer's device, and decoding is the same as the target loaded whole. A tiny target refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    from griffin.config import SamplingConfig, TreeConfig
+    from griffin.decode import speculative_generate
+    from pipeline.config import TargetSection
+
+    tiny = {"model_type": "mistral", "sliding_window": 6, "hidden_size": 64, "intermediate_size": 96}
+    tiny |= {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    built = targets.load_target(TargetSection(name="tiny-mistral", dtype="float32", tiny=tiny))
+    built.model.save_pretrained(tmp_path / "m")
+    built.tokenizer.save_pretrained(tmp_path / "m")
+    loads, load = [], AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(k) or load(*a, **k))
+    whole = targets.load_target(TargetSection(name=str(tmp_path / "m"), dtype="float32"))
+    split = targets.load_target(TargetSection(name=str(tmp_path / "m"), dtype="float32", device_map="auto"))
+    assert [k["device_map"] for k in loads] == [None, "auto"]
+    assert split.layer_devices == [torch.device("cpu")] * 3
+    ids, tree = torch.arange(3, 23)[None], TreeConfig(total_tokens=8, depth=3, top_k=3)
+    torch.manual_seed(0)
+    draft = GriffinDraft.for_target(whole)
+    runs = [speculative_generate(t, draft, ids, tree, SamplingConfig(), 12, stop_token_ids=[]) for t in (whole, split)]
+    assert runs[0].tokens == runs[1].tokens
+    with pytest.raises(ValueError, match="device_map apply to loaded weights"):
+        targets.load_target(TargetSection(name="tiny-mistral", dtype="float32", tiny=tiny, device_map="auto"))
