@@ -2,8 +2,9 @@
 
 Speculative decoding is lossless only if a verify pass over a token tree computes, for every node, what
 the target computes for that token after the node's own prefix. That holds for a family when every
-layer's state is a KV cache that can be cut back to the accepted path, and when every layer's attention
-pattern can be written as a mask over (prefix + tree). This module is the one place that says which
+layer's state is a per-position cache that can be cut back to the accepted path (keys and values, or the
+compressed latent of latent attention), and when every layer's attention pattern can be written as a
+mask over (prefix + tree). This module is the one place that says which
 families meet that, how each one's layers attend (``AttentionLayout``), and why the others are refused.
 
 Layer kinds: "full_attention" (every earlier position) and "sliding_attention" (the last ``window``
@@ -35,8 +36,12 @@ class Family:
     windows: Literal["layer_types", "all_layers", "none"]
     sdpa: bool = True  # False: transformers has no SDPA path for it (softcapping, sinks): eager attention
     uses: str = ""  # what else it brings that decoding was tested with
+    # what a layer caches per position: keys and values per KV head, or (latent attention) one compressed
+    # latent and one shared RoPE key, the two widths differing
+    cache: Literal["heads", "latent"] = "heads"
 
 
+_MLA = "multi-head latent attention (the compressed KV latent is cached), MoE routing with shared experts"
 FAMILIES = {
     f.model_type: f
     for f in [
@@ -61,20 +66,18 @@ FAMILIES = {
         Family("ministral", "Ministral", "layer_types"),
         Family("olmo3", "OLMo-3", "layer_types", uses="QK norm, post-norm blocks"),
         Family("exaone4", "EXAONE-4", "layer_types", uses="QK norm, layers without RoPE"),
+        Family("deepseek_v2", "DeepSeek-V2", "none", uses=_MLA, cache="latent"),
+        Family("deepseek_v3", "DeepSeek-V3 / Kimi-K2", "none", uses=_MLA + ", group-limited routing", cache="latent"),
     ]
 }
 
-_LATENT = "multi-head latent attention: its keys and values differ in width, which the row KV cache does not hold"
 _RECURRENT = (
     "recurrent or linear-attention layers keep a running state that cannot be cut back to the accepted "
     "prefix after a rejected draft token, the way a KV cache can"
 )
 # Families known by name, with why each is refused; anything else unlisted is refused as untested.
 REFUSED = {
-    "deepseek_v2": _LATENT,
-    "deepseek_v3": _LATENT,
-    "deepseek_v32": _LATENT,
-    "kimi_k2": _LATENT,
+    "deepseek_v32": "sparse attention: a learned indexer with its own cache picks the keys each token attends to",
     "llama4": "chunked attention, and attention temperature taken from cache positions rather than token positions",
     "llama4_text": "chunked attention, and attention temperature taken from cache positions rather than token positions",
     "gemma3": "the multimodal Gemma-3 model; load its text-only model (model_type gemma3_text)",
@@ -159,9 +162,26 @@ class AttentionLayout:
             raise _refuse(family.model_type, f"layer kinds {unknown} (only full and sliding-window attention are)")
         if getattr(hf_config, "attention_chunk_size", None):
             raise _refuse(family.model_type, "chunked attention")
+        heads, kv_heads = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
+        if family.cache == "latent" and kv_heads not in (None, heads):
+            # transformers expands the latent to every query head, then repeats it again as for GQA
+            raise _refuse(
+                family.model_type,
+                f"num_key_value_heads={kv_heads} with {heads} attention heads (latent attention expands to every "
+                "head: set num_key_value_heads to num_attention_heads, as DeepSeek's own configs do)",
+            )
         if SLIDING in kinds and not (isinstance(window, int) and window >= 1):
             raise _refuse(family.model_type, f"windowed layers with sliding_window={window!r}")
         return cls(family, kinds, window if SLIDING in kinds else None)
+
+    def cache_shapes(self, hf_config: Any, rows: int, capacity: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One layer's cached (keys, values) shapes, (rows, heads, capacity, width) each: per KV head, or
+        for latent attention the compressed latent (width kv_lora_rank) and the shared RoPE key."""
+        if self.family.cache == "latent":
+            return (rows, 1, capacity, hf_config.kv_lora_rank), (rows, 1, capacity, hf_config.qk_rope_head_dim)
+        heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        width = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return (rows, heads, capacity, width), (rows, heads, capacity, width)
 
     def describe(self, hf_config: Any) -> list[str]:
         """What the target uses, a line each, e.g. ["sliding window of 4096 tokens on 24 of 48 layers", ...]."""

@@ -74,9 +74,9 @@ class RowTensors:
     layer's own device (a target split over GPUs: ``target.device_map``). Index tensors come from
     ``RowSlots`` on the first layer's device and are moved here (a no-op on one device)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device):
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, shapes: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+        self.keys = torch.zeros(shapes[0], dtype=dtype, device=device)  # (S, Hk, capacity, Dk)
+        self.values = torch.zeros(shapes[1], dtype=dtype, device=device)  # (S, Hk, capacity, Dv): Dv may differ
 
     def _here(self, index: Tensor) -> Tensor:
         return index.to(self.keys.device, non_blocking=True)
@@ -122,7 +122,7 @@ class RowTensors:
         """Reallocate to ``capacity`` columns (a longer request arrived); existing entries are kept."""
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])  # keys and values keep their widths
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
@@ -161,24 +161,27 @@ class RowLayer(CacheLayerMixin):
 
 
 class RowCache(Cache):
-    """Every layer's ``RowTensors`` plus the shared ``RowSlots``: the KV of S request slots. ``device``:
-    one for every layer, or a list with each layer's (a target split over devices)."""
+    """Every layer's ``RowTensors`` plus the shared ``RowSlots``: the KV of S request slots. ``shapes``:
+    each layer's (keys, values) shapes, (S, Hk, capacity, Dk) and (S, Hk, capacity, Dv); ``device``: one
+    for every layer, or a list with each layer's (a target split over devices)."""
 
     def __init__(
         self,
-        shapes: list[tuple[int, int, int, int]],
+        shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
         dtype: torch.dtype,
         device: torch.device | list[torch.device],
     ):
         devices = device if isinstance(device, list) else [device] * len(shapes)
-        self.slots = RowSlots(shapes[0][0], shapes[0][2], devices[0])
-        self.tensors = [RowTensors(shape, dtype, d) for shape, d in zip(shapes, devices)]
+        slots, _, capacity, _ = shapes[0][0]
+        self.slots = RowSlots(slots, capacity, devices[0])
+        self.tensors = [RowTensors(pair, dtype, d) for pair, d in zip(shapes, devices)]
         super().__init__(layers=[RowLayer(t, self.slots) for t in self.tensors])
 
     @classmethod
     def for_draft(cls, cfg, rows: int, capacity: int, dtype: torch.dtype, device: torch.device) -> "RowCache":
         """The one-layer cache of a GRIFFIN draft (``griffin.model.DraftConfig`` ``cfg``)."""
-        return cls([(rows, cfg.num_key_value_heads, capacity, cfg.head_dim)], dtype, device)
+        shape = (rows, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        return cls([(shape, shape)], dtype, device)
 
     @property
     def capacity(self) -> int:

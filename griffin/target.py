@@ -134,7 +134,7 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def __init__(self, keys: Tensor, values: Tensor):
         super().__init__()
-        self.keys, self.values = keys, values  # (1, Hk, S_max, Dh)
+        self.keys, self.values = keys, values  # (1, Hk, S_max, Dk), (1, Hk, S_max, Dv)
         self.length = 0
         self.is_initialized = True
 
@@ -331,18 +331,11 @@ class TargetAdapter:
         return ids
 
     # ---- cache -------------------------------------------------------------------------
-    def kv_shape(self, capacity: int, rows: int = 1) -> tuple[int, int, int, int]:
-        """One layer's KV buffer: (rows, Hk, capacity, Dh)."""
-        cfg = self.hf_config
-        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return (rows, n_kv, capacity, head_dim)
-
     def new_cache(self, capacity: int) -> TargetCache:
-        shape = self.kv_shape(capacity)
+        keys, values = self.layout.cache_shapes(self.hf_config, 1, capacity)
         layers = [
             PreallocatedLayer(
-                torch.empty(shape, dtype=self.dtype, device=device), torch.empty(shape, dtype=self.dtype, device=device)
+                torch.empty(keys, dtype=self.dtype, device=device), torch.empty(values, dtype=self.dtype, device=device)
             )
             for device in self.layer_devices
         ]
@@ -352,7 +345,7 @@ class TargetAdapter:
         """A KV cache of ``rows`` request slots, a length each (griffin.rows; the batching engine's)."""
         from griffin.rows import RowCache
 
-        shapes = [self.kv_shape(capacity, rows)] * self.hf_config.num_hidden_layers
+        shapes = [self.layout.cache_shapes(self.hf_config, rows, capacity)] * self.hf_config.num_hidden_layers
         return RowCache(shapes, self.dtype, self.layer_devices)
 
     # ---- forward passes ----------------------------------------------------------------

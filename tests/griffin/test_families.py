@@ -87,6 +87,33 @@ CASES = {
     "ministral": dict(head_dim=16, sliding_window=WINDOW, layer_types=MIXED),
     "olmo3": dict(sliding_window=WINDOW),
     "exaone4": dict(head_dim=16, sliding_window=WINDOW),
+    "deepseek_v2": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        **MOE,
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        **MOE,
+    ),
 }
 WINDOWED = [t for t, fields in CASES.items() if "sliding_window" in fields]
 
@@ -180,7 +207,7 @@ def test_compiled_equals_eager_on_a_windowed_family():
     assert twin.out == target.out == [hf_greedy(target, p, 16) for p in cases]
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "gemma2", "qwen3_moe", "deepseek_v3"])
 def test_featurize_then_train_every_variant(model_type):
     """The featurizer's forward (right-padded batch, EAGLE-3's layer capture) on MoE and windowed
     targets, then one training step of each variant on what it produced."""
@@ -211,7 +238,7 @@ def test_featurize_then_train_every_variant(model_type):
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters()), variant
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3_text", "mixtral", "cohere2"])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3_text", "mixtral", "cohere2", "deepseek_v3"])
 def test_export_round_trip(model_type, tmp_path):
     """Each layout that can carry the draft of this family's target writes, reloads bit-exactly and
     binds to the target (export_draft checks both), and the reloaded draft decodes the same tokens."""
@@ -232,7 +259,7 @@ def test_export_round_trip(model_type, tmp_path):
 
 
 REFUSALS = {
-    "deepseek_v3": ("latent attention", dict(hidden_size=64, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=None)),
+    "deepseek_v32": ("sparse attention", dict(hidden_size=64, num_attention_heads=4, kv_lora_rank=16)),
     "llama4_text": ("chunked attention", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
     "qwen3_next": ("cannot be cut back", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
     "lfm2": ("cannot be cut back", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
@@ -247,7 +274,7 @@ def test_unsupported_families_are_refused_at_load_by_name(model_type):
     config = AutoConfig.for_model(model_type, num_hidden_layers=2, vocab_size=128, **fields)
     with pytest.raises(UnsupportedTarget, match=f"'{model_type}' is not supported: .*{why}.*Supported families: Llama"):
         AttentionLayout.of(config)
-    if model_type in ("deepseek_v3", "lfm2"):  # the model itself, as a user would hand it over
+    if model_type in ("qwen3_next", "lfm2"):  # the model itself, as a user would hand it over
         with pytest.raises(UnsupportedTarget, match=model_type):
             TargetAdapter(AutoModelForCausalLM.from_config(config))
 
@@ -257,6 +284,12 @@ def test_flash_attention_is_refused():
     target.model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(UnsupportedTarget, match="ignores the tree mask.*sdpa"):
         TargetAdapter(target.model)
+
+
+def test_latent_attention_with_grouped_kv_heads_is_refused():
+    config = AutoConfig.for_model("deepseek_v3", **{**BASE, **CASES["deepseek_v3"], "num_key_value_heads": 2})
+    with pytest.raises(UnsupportedTarget, match="'deepseek_v3' is not supported: num_key_value_heads=2 with 4"):
+        AttentionLayout.of(config)
 
 
 def test_a_layer_kind_outside_the_contract_is_refused():

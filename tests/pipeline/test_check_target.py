@@ -38,11 +38,11 @@ def test_a_supported_windowed_target_is_lossless(tmp_path, capsys):
 
 
 def test_an_unsupported_family_is_refused_by_name(tmp_path, capsys):
-    tiny = dict(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None, **TINY)
+    tiny = dict(model_type="lfm2", **TINY)
     assert main(["check-target", "-c", config(tmp_path, tiny)]) == 1
     report, _ = verdict(capsys)
     assert report["verdict"] == "refused"
-    assert "'deepseek_v3' is not supported: multi-head latent attention" in report["reason"]
+    assert "'lfm2' is not supported: recurrent or linear-attention layers" in report["reason"]
     assert "gpt-oss (gpt_oss)" in report["reason"]  # and the supported families
 
 
