@@ -287,7 +287,7 @@ class TargetAdapter:
         layers = getattr(self.backbone, "layers", None)
         if layers is None or len(layers) != self.hf_config.num_hidden_layers:
             return [self.device] * self.hf_config.num_hidden_layers
-        devices = [next(layer.parameters()).device for layer in layers]
+        devices = [next(iter(layer.parameters()), self.head_weight).device for layer in layers]
         if any(d.type == "meta" for d in devices):
             raise ValueError(
                 "layers offloaded to disk or host memory (device_map) cannot hold a KV cache: give them a device"
