@@ -130,6 +130,31 @@ def _append(
     return reason
 
 
+NEAR_TIE_LOGITS = 0.25  # two bf16 rounding steps of a logit of magnitude 16-32
+
+
+@torch.inference_mode()
+def first_divergence(target: TargetAdapter, prompt_ids: list[int], spec: list[int], vanilla: list[int]) -> dict:
+    """Where a T=0 speculative output first leaves vanilla's, and how close the target's two candidates
+    were there. In bf16 a batched tree verify and a single-token step round differently, so a near-tie
+    between the top two logits can flip: ``gap`` = |logit(vanilla) - logit(spec)| from a fresh prefill
+    of the shared prefix; ``near_tie`` when it is within bf16 rounding. A large gap is an algorithmic bug
+    (the fp32 tests prove exact equality); one output stopping where the other goes on has no gap."""
+    index = next((k for k, (a, b) in enumerate(zip(spec, vanilla)) if a != b), min(len(spec), len(vanilla)))
+    if index >= min(len(spec), len(vanilla)):
+        return {"index": index, "gap": None, "near_tie": False}
+    ids = torch.tensor([prompt_ids + vanilla[:index]], device=target.device)  # (1, T)
+    _, logits = target.forward(ids, target.new_cache(ids.shape[1]), all_logits=False)  # (1, 1, V)
+    gap = abs(float(logits[0, -1, vanilla[index]] - logits[0, -1, spec[index]]))
+    return {
+        "index": index,
+        "gap": round(gap, 4),
+        "near_tie": gap <= NEAR_TIE_LOGITS,
+        "spec_token": spec[index],
+        "vanilla_token": vanilla[index],
+    }
+
+
 def device_time(device: torch.device) -> float:
     """A wall-clock reading after the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":

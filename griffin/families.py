@@ -204,7 +204,7 @@ class AttentionLayout:
         if caps:
             lines.append("softcapping: " + ", ".join(caps))
         if self.family.uses:
-            lines.append(f"family traits: {self.family.uses}")
+            lines.append(f"the family is tested with: {self.family.uses}")
         return lines
 
     def masks(self, mask: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:

@@ -16,7 +16,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -24,7 +23,7 @@ from griffin.config import SamplingConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from griffin.engine import SpeculationPolicy, warm_up
 from pipeline.config import load_config
-from pipeline.evaluate.evaluate import first_divergence
+from griffin.decode import first_divergence
 from pipeline.evaluate.report import machine_identity
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.targets import load_target
@@ -92,9 +91,7 @@ def main() -> None:
         for m in ("vanilla", "griffin"):
             compiled, reference = outputs[f"{m}_compiled"], outputs[f"{m}_eager"]
             if compiled != reference:  # fp32 must not differ; bf16 only at a measured near-tie
-                where = first_divergence(
-                    eager, prompt, SimpleNamespace(tokens=compiled), SimpleNamespace(tokens=reference)
-                )
+                where = first_divergence(eager, prompt, compiled, reference)
                 mismatches.append({"prompt": i, "method": m, **where})
     medians = {name: statistics.median(r) for name, r in rates.items()}
     ratio = lambda a, b: statistics.median(x / y for x, y in zip(rates[a], rates[b]))  # noqa: E731

@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from griffin.checkpoint import tensors_sha256
+from griffin.decode import first_divergence as divergence_at
 from griffin.engine import SpeculationPolicy, warm_up
 from pipeline.files import atomic_write_json, atomic_write_text, finished, reuse_key
 from pipeline.config import RunConfig
@@ -209,35 +209,12 @@ def finished_summary(eval_dir: Path, key: str) -> dict[str, Any] | None:
     return data["summary"] if data is not None else None
 
 
-NEAR_TIE_LOGITS = 0.25  # two bf16 rounding steps of a logit of magnitude 16-32
-
-
-@torch.inference_mode()
 def first_divergence(target: Any, prompt_ids: list[int], spec: Output, vanilla: Output) -> dict[str, Any]:
-    """Where a T=0 speculative output first leaves vanilla's, and how close the target's two
-    candidates were there. In bf16 a batched tree verify and a single-token step round differently,
-    so a near-tie between the top two logits can flip: ``gap`` = |logit(vanilla) - logit(spec)| from a
-    fresh prefill of the shared prefix; ``near_tie`` when it is within bf16 rounding. A large gap is
-    an algorithmic bug (the fp32 tests prove exact equality). Without token ids (the endpoint) the
-    gap is unknown and the divergence is reported as not a near-tie."""
+    """``griffin.decode.first_divergence`` of two outputs; without token ids (the endpoint) the gap is
+    unknown and the divergence is reported as not a near-tie."""
     if spec.tokens is None or vanilla.tokens is None:
         return {"index": None, "gap": None, "near_tie": False}
-    index = next(
-        (k for k, (a, b) in enumerate(zip(spec.tokens, vanilla.tokens)) if a != b),
-        min(len(spec.tokens), len(vanilla.tokens)),
-    )
-    if index >= min(len(spec.tokens), len(vanilla.tokens)):  # one stopped where the other went on
-        return {"index": index, "gap": None, "near_tie": False}
-    ids = torch.tensor([prompt_ids + vanilla.tokens[:index]], device=target.device)  # (1, T)
-    _, logits = target.forward(ids, target.new_cache(ids.shape[1]), all_logits=False)  # (1, 1, V)
-    gap = abs(float(logits[0, -1, vanilla.tokens[index]] - logits[0, -1, spec.tokens[index]]))
-    return {
-        "index": index,
-        "gap": round(gap, 4),
-        "near_tie": gap <= NEAR_TIE_LOGITS,
-        "spec_token": spec.tokens[index],
-        "vanilla_token": vanilla.tokens[index],
-    }
+    return divergence_at(target, prompt_ids, spec.tokens, vanilla.tokens)
 
 
 def _differs(spec: Output, vanilla: Output) -> bool:

@@ -61,8 +61,8 @@ def test_a_verify_mask_that_ignores_the_window_is_caught(tmp_path, capsys, monke
     assert main(["check-target", "-c", config(tmp_path, GPT_OSS)]) == 1
     report, out = verdict(capsys)
     assert report["verdict"] == "diverged" and report["check"] == "speculative, alone"
-    first = report["first_divergence"]
-    assert first["expected"] != first["got"] and first["dtype"] == "float32" and "DIVERGED at" in out
+    first = report["first_divergence"]  # in fp32 any difference is a divergence, near-tie or not
+    assert first["spec_token"] != first["vanilla_token"] and first["gap"] is not None and "verdict: DIVERGED" in out
 
 
 @pytest.mark.parametrize("prompts", ["1"])
