@@ -86,22 +86,7 @@ def main() -> None:
             "engine_vanilla": lambda ids: new_decode.vanilla_generate(target, ids, greedy, args.new),
             "batch1_vanilla": lambda ids: old_decode.vanilla_generate(old_target, ids, old_greedy, args.new),
         }
-        seconds = {name: [] for name in runs}
-        for rep in range(args.reps + 1):  # repetition 0 warms up
-            for ids in prompts:
-                names = list(runs)[rep % 4 :] + list(runs)[: rep % 4]  # rotate the order
-                outputs = {}
-                for name in names:
-                    start = time.perf_counter()
-                    outputs[name] = runs[name](ids).tokens
-                    if rep:
-                        seconds[name].append(time.perf_counter() - start)
-                assert (
-                    outputs["engine_griffin"]
-                    == outputs["batch1_griffin"]
-                    == outputs["batch1_vanilla"]
-                    == outputs["engine_vanilla"]
-                )
+        seconds = time_interleaved(runs, prompts, args.reps)
     medians = {name: statistics.median(v) for name, v in seconds.items()}
     result = {
         "date": time.strftime("%Y-%m-%d"),
@@ -120,6 +105,23 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     suffix = "" if args.dtype == "bfloat16" else "-fp32"
     (OUT / f"lone_request{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def time_interleaved(runs: dict, prompts: list, reps: int) -> dict[str, list[float]]:
+    """Each prompt through every run, in an order rotated per repetition, ``reps`` times after a warm-up;
+    the seconds of each call by run. Every run must give the same tokens (T=0: the outputs are equal)."""
+    seconds = {name: [] for name in runs}
+    for rep in range(reps + 1):  # repetition 0 warms up
+        for ids in prompts:
+            names = list(runs)[rep % len(runs) :] + list(runs)[: rep % len(runs)]
+            outputs = {}
+            for name in names:
+                start = time.perf_counter()
+                outputs[name] = runs[name](ids).tokens
+                if rep:
+                    seconds[name].append(time.perf_counter() - start)
+            assert len({tuple(tokens) for tokens in outputs.values()}) == 1, f"outputs differ: {outputs}"
+    return seconds
 
 
 def old_models(package: str, target, draft):

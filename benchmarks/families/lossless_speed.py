@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from lone_request import baseline_package, old_models  # noqa: E402
+from lone_request import baseline_package, old_models, time_interleaved  # noqa: E402
 
 BEFORE = "562f8ab"  # main before the target families
 OUT = Path(__file__).parent
@@ -67,17 +67,7 @@ def main() -> None:
             "after_vanilla": lambda ids: new_decode.vanilla_generate(target, ids, greedy, args.new),
             "before_vanilla": lambda ids: old_decode.vanilla_generate(old_target, ids, old_greedy, args.new),
         }
-        seconds = {name: [] for name in runs}
-        for rep in range(args.reps + 1):  # repetition 0 warms up
-            for ids in prompts:
-                names = list(runs)[rep % 4 :] + list(runs)[: rep % 4]  # rotate the order
-                outputs = {}
-                for name in names:
-                    start = time.perf_counter()
-                    outputs[name] = runs[name](ids).tokens
-                    if rep:
-                        seconds[name].append(time.perf_counter() - start)
-                assert len({tuple(tokens) for tokens in outputs.values()}) == 1, "outputs differ"
+        seconds = time_interleaved(runs, prompts, args.reps)
     medians = {name: statistics.median(v) for name, v in seconds.items()}
     result = {
         "date": time.strftime("%Y-%m-%d"),
