@@ -40,6 +40,11 @@ class Family:
     # latent and one shared RoPE key, the two widths differing
     cache: Literal["heads", "latent"] = "heads"
 
+    @property
+    def attn_implementation(self) -> str:
+        """What the family loads with: SDPA, or eager attention where transformers has no SDPA path."""
+        return "sdpa" if self.sdpa else "eager"
+
 
 _MLA = "multi-head latent attention (the compressed KV latent is cached), MoE routing with shared experts"
 FAMILIES = {

@@ -238,7 +238,7 @@ class TargetAdapter:
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=resolve_dtype(dtype, device),
-            attn_implementation=kwargs.pop("attn_implementation", "sdpa" if family.sdpa else "eager"),
+            attn_implementation=kwargs.pop("attn_implementation", family.attn_implementation),
             revision=revision,
             device_map=device_map,
             **kwargs,

@@ -31,11 +31,11 @@ def target_config(cfg: RunConfig) -> Any:
     from transformers import AutoConfig
 
     from griffin.assets import resolve_target_path
+    from pipeline.resources.targets import tiny_config
 
     section = cfg.target
     if section.tiny is not None:
-        fields = dict(section.tiny)
-        return AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+        return tiny_config(section.tiny)
     return AutoConfig.from_pretrained(resolve_target_path(section.name, section.revision), revision=section.revision)
 
 

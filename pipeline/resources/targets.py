@@ -51,31 +51,37 @@ def tiny_tokenizer() -> Any:
     return tokenizer
 
 
+def tiny_config(fields: dict[str, Any], tokenizer: Any = None) -> Any:
+    """The transformers config of a ``target.tiny`` section: its fields, ``model_type`` picking the family
+    (llama by default); with the tiny ``tokenizer``, its vocabulary and special ids too."""
+    from transformers import AutoConfig
+
+    fields = {"tie_word_embeddings": False, **fields}
+    model_type = fields.pop("model_type", "llama")
+    if tokenizer is not None:
+        fields.update(
+            vocab_size=max(fields.get("vocab_size", 0), len(tokenizer)),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+    return AutoConfig.for_model(model_type, **fields)
+
+
 def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> TargetAdapter:
-    """A seeded random target of ``fields`` (a transformers config's fields; ``model_type`` picks the
-    family, llama by default) with the byte-level tokenizer; refused like any target of an unsupported
-    family (griffin.families)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A seeded random target of ``tiny_config(fields)`` with the byte-level tokenizer; refused like any
+    target of an unsupported family (griffin.families)."""
+    from transformers import AutoModelForCausalLM
 
     from griffin.families import family_of
 
     tokenizer = tiny_tokenizer()
-    fields = dict(fields)
-    model_type = fields.pop("model_type", "llama")
-    vocab = max(fields.get("vocab_size", 0), len(tokenizer))
-    config = AutoConfig.for_model(
-        model_type,
-        **{"tie_word_embeddings": False, **fields, "vocab_size": vocab},
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    attention = "sdpa" if family_of(config).sdpa else "eager"
+    config = tiny_config(fields, tokenizer)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)  # identical weights in every process that builds it
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=family_of(config).attn_implementation)
     torch.random.set_rng_state(generator_state)
-    return TargetAdapter(model, tokenizer, name=f"tiny-{model_type}")
+    return TargetAdapter(model.to(dtype), tokenizer, name=f"tiny-{config.model_type}")
 
 
 def load_target(
@@ -97,12 +103,13 @@ def load_target(
         target = TargetAdapter.from_pretrained(
             section.name, dtype=dtype, device=device, revision=section.revision, device_map=section.device_map
         )
-    if decoding and compile_enabled(compile, target.device) and len(set(target.layer_devices)) > 1:
+    compiled = decoding and compile_enabled(compile, target.device)
+    if compiled and len(devices := set(target.layer_devices)) > 1:
         raise ValueError(
-            f"decode.compile={compile} with a target split over {len(set(target.layer_devices))} devices "
+            f"decode.compile={compile} with a target split over {len(devices)} devices "
             "(target.device_map): compiled decoding runs on one device; set decode.compile=off"
         )
-    if decoding and compile_enabled(compile, target.device):
+    if compiled:
         target.compile_decoding()  # inductor packs the CPU weights itself (freezing): no prepack
     elif decoding and section.prepack:
         target.prepack()

@@ -140,8 +140,8 @@ WINDOWED = [t for t, fields in CASES.items() if "sliding_window" in fields]
 def build(model_type: str, seed: int = 0, **extra) -> TargetAdapter:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**BASE, **CASES[model_type], **extra})
-    attention = "sdpa" if FAMILIES[model_type].sdpa else "eager"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).float()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=FAMILIES[model_type].attn_implementation)
+    model = model.float()
     return TargetAdapter(model, name=f"tiny-{model_type}")
 
 
