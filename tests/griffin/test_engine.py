@@ -102,34 +102,6 @@ def test_seeded_rows_equal_their_batch1_output_with_the_same_seed(sampling):
         assert result.stats.accepted_per_round == alone.stats.accepted_per_round
 
 
-def test_unseeded_sampling_under_concurrency_matches_the_target():
-    """Joint law of the first two tokens of rows decoding 4 at a time (the second through a batched
-    tree verify, beside other rows' trees) == the target's, chi-square."""
-    from scipy.stats import chisquare
-
-    from tests.griffin.test_decode import _exact_joint
-
-    target = make_target("llama", vocab_size=8, seed=7)
-    draft = GriffinDraft.for_target(target, variant="griffin")
-    torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)
-    sampling, n = SamplingConfig(temperature=1.0), 1200
-    torch.manual_seed(0)  # unseeded requests draw from the global generator
-    prompt, others = [1, 4, 3], [[2, 5], [6, 1, 1, 7], [3]]
-    counts = torch.zeros(8, 8)
-    for _ in range(n // 4):
-        requests = [DecodeRequest(prompt, sampling, 2, stop_token_ids=[]) for _ in range(4)]
-        requests += [DecodeRequest(p, sampling, 5, stop_token_ids=[]) for p in others]  # neighbours of other lengths
-        for result in generate_batch(
-            target, draft, requests, SpeculationPolicy({1: TreeConfig(total_tokens=6, depth=3, top_k=3)})
-        )[:4]:
-            counts[result.tokens[0], result.tokens[1]] += 1
-    expected = _exact_joint(target, torch.tensor([prompt]), sampling).double().flatten() * n
-    keep = expected > 5
-    observed = torch.cat([counts.double().flatten()[keep], counts.double().flatten()[~keep].sum()[None]])
-    expected = torch.cat([expected[keep], (n - expected[keep].sum())[None]])
-    assert chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue > 1e-3
-
-
 def test_rows_join_leave_and_cancel_mid_decode_and_reused_slots_decode_as_fresh():
     """Two slots, six requests of different lengths: rows join as others finish (slots reused, rows
     moved), one is cancelled mid-decode; every other output equals its batch-1 output, and the

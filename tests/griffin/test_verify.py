@@ -1,12 +1,24 @@
-"""Verification functions on hand-made trees and distributions (pure functions, no model)."""
+"""Verification on hand-made trees, and its exact law on a Markov target, with the controls that
+prove the law tests can fail (tests/griffin/law.py). Pure functions, no model."""
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from griffin.config import SamplingConfig
-from griffin.verify import VerifyResult, sample_one, verify_greedy, verify_sampling, warp_probs
 from griffin.tree import _assemble
+from griffin.verify import VerifyResult, verify, verify_greedy, warp_probs
+from tests.griffin.law import (
+    CONTROL_P,
+    FAULTS,
+    PASS_P,
+    MarkovTarget,
+    Windows,
+    bonus_p,
+    chi_square_p,
+    planted_verifier,
+    reference_probs,
+    sample_windows,
+)
 
 V = 5
 
@@ -54,57 +66,69 @@ def test_warp_top_k_top_p():
     assert warp_probs(logits, SamplingConfig(temperature=1.0, top_p=0.3)).tolist() == [1.0, 0, 0, 0, 0]
 
 
-def verify_without_renormalisation(tree, target_logits, sampling, generator):
-    """A WRONG verifier (zeroes rejected children but never renormalises) for the negative check."""
-    tokens, node, path = tree.tokens.tolist(), 0, [0]
-    while True:
-        probs = warp_probs(target_logits[node], sampling)
-        for child in tree.children[node]:
-            if float(torch.rand((), generator=generator)) < float(probs[tokens[child]]):
-                node = child
-                path.append(node)
-                break
-            probs[tokens[child]] = 0.0
-        else:
-            return VerifyResult(path, sample_one(probs, generator))
+SAMPLINGS = {
+    "T1": SamplingConfig(temperature=1.0),
+    "T0.7-top_p": SamplingConfig(temperature=0.7, top_p=0.9),
+    "T0.7-top_k": SamplingConfig(temperature=0.7, top_k=3),
+}
+WINDOW = {"leaf": 3, "chain": 4, "tree": 4}  # tokens observed: a depth-2 leaf's bonus is the 4th
+N = 6000  # windows per law test: ~1 s each; every control below is rejected far below 1e-6
+MARKOV = MarkovTarget.make()
 
 
-def first_two_tokens(verifier, sampling, n=20000):
-    """Histogram of the first committed token, and of the second given the first is token 0."""
-    tree = hand_tree()
-    logits = torch.randn(7, V, generator=torch.Generator().manual_seed(3)) * 0.8
-    gen = torch.Generator().manual_seed(0)
-    first, second = torch.zeros(V), torch.zeros(V)
-    for _ in range(n):
-        result = verifier(tree, logits, sampling, gen)
-        committed = tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
-        first[committed[0]] += 1
-        if committed[0] == 0:
-            second[committed[1]] += 1
-    return first, second, warp_probs(logits[0], sampling), warp_probs(logits[1], sampling)
+def law_p(shape: str, sampling: SamplingConfig, verifier=verify) -> tuple[float, float, Windows]:
+    """p-values of the first tokens' joint law and of the leaf bonus alone; a token the target
+    never samples, or a verifier that crashes, is p = 0."""
+    try:
+        windows = sample_windows(MARKOV, shape, sampling, N, WINDOW[shape], verifier)
+        return (
+            chi_square_p(windows.counts, MARKOV.law(sampling, WINDOW[shape])),
+            bonus_p(MARKOV, sampling, windows.bonus),
+            windows,
+        )
+    except (AssertionError, RuntimeError):
+        return 0.0, 0.0, None
 
 
-def p_value(counts, probs):
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "sampled a token the warper removed"
-    assert keep.sum() > 1, "degenerate test distribution: pick other logits"
-    probs = probs[keep].double() / probs[keep].double().sum()  # float64: chisquare checks the totals
-    return chisquare(counts[keep].double().numpy(), (probs * counts.sum()).numpy()).pvalue
+def test_warp_equals_transformers_warpers():
+    """The warper against an independent one (transformers' generate warpers), on random logits."""
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for sampling in [*SAMPLINGS.values(), SamplingConfig(temperature=1.3, top_k=7, top_p=0.6)]:
+        assert torch.allclose(warp_probs(logits, sampling).double(), reference_probs(logits, sampling), atol=1e-6)
 
 
-SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)]
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+@pytest.mark.parametrize("shape", WINDOW)
+def test_committed_tokens_have_the_targets_law(shape, sampling):
+    """The first 3-4 committed tokens (a sampled first token, then rounds of tree verification)
+    follow the target's law jointly, and every bonus drawn after an accepted leaf follows the
+    target's law at that leaf; leaves are reached in most windows, so the bonus is tested."""
+    joint, bonus, windows = law_p(shape, sampling)
+    assert windows is not None, "the verifier drew a token the target never samples, or crashed"
+    assert joint > PASS_P, f"joint law p = {joint:.1e}"
+    assert bonus > PASS_P, f"leaf bonus p = {bonus:.1e}"
+    assert windows.bonus.sum() > N / 4, f"only {int(windows.bonus.sum())} bonuses in {N} windows"
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-top_p"])
-def test_tree_rejection_sampling_is_exact(sampling):
-    """20k draws: first token ~ target at the root; second (after token 0) ~ target at node 1."""
-    first, second, p_root, p_node = first_two_tokens(verify_sampling, sampling)
-    assert p_value(first, p_root) > 1e-3
-    assert p_value(second, p_node) > 1e-3
+# each planted bug, and the configurations where it changes the law (the others leave it unchanged:
+# e.g. a bonus drawn without the warper is the right law at T=1 with no truncation)
+CONTROLS = {
+    "no renormalisation": [("leaf", "T1"), ("tree", "T0.7-top_p")],
+    "first child x1.3": [("leaf", "T1"), ("chain", "T0.7-top_k")],
+    "uniform leaf bonus": [("leaf", "T1"), ("chain", "T1")],
+    "bonus without warper": [("leaf", "T0.7-top_k"), ("chain", "T0.7-top_p")],
+    "top-p one side": [("leaf", "T0.7-top_p"), ("tree", "T0.7-top_p")],
+    "residual keeps rejected": [("leaf", "T1"), ("tree", "T0.7-top_k")],
+    "root law at every depth": [("chain", "T1"), ("tree", "T0.7-top_k")],
+    "temperature twice": [("leaf", "T0.7-top_p"), ("chain", "T0.7-top_k")],
+}
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-top_p"])
-def test_negative_check_detects_missing_renormalisation(sampling):
-    """The same test rejects a verifier that skips the residual renormalisation."""
-    first, _, p_root, _ = first_two_tokens(verify_without_renormalisation, sampling)
-    assert p_value(first, p_root) < 1e-6
+@pytest.mark.parametrize("fault", CONTROLS)
+def test_the_law_tests_reject_every_planted_bug(fault):
+    """The controls: the same statistic at the same sample size rejects a verifier with one known
+    bug (tests/griffin/law.py FAULTS) at p < 1e-6, so the law tests above have the power they claim."""
+    assert set(CONTROLS) == set(FAULTS)
+    for shape, name in CONTROLS[fault]:
+        joint, bonus, _ = law_p(shape, SAMPLINGS[name], planted_verifier(fault))
+        assert min(joint, bonus) < CONTROL_P, f"{fault} passed on {shape} {name}: p = {joint:.1e}, {bonus:.1e}"
