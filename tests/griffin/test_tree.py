@@ -58,9 +58,28 @@ def test_tree_invariants(setup, cfg):
 
 
 def test_chain_follows_the_draft_argmax(setup):
-    target, draft = setup
-    tree, _ = build(setup, TreeConfig(total_tokens=4, depth=3, top_k=1))
-    assert tree.depths.tolist() == [0, 1, 2, 3]
+    """A top_k=1 tree is a chain whose token at each level is the draft's own argmax after the chain
+    so far, computed here independently: the draft's step without a cache over the whole sequence
+    (the catch-up pairs, then each chain node's (R, token) at the next position), causal attention."""
+    _, draft = setup
+    T, depth = 9, 3
+    gen = torch.Generator().manual_seed(4)
+    features, tokens = torch.randn(1, T, 64, generator=gen), torch.randint(3, 128, (1, T), generator=gen)
+    cache = RowCache.for_draft(draft.cfg, 1, 128, torch.float32, torch.device("cpu"))
+    tree = draft_tree(draft, cache, features, tokens, TreeConfig(total_tokens=depth + 1, depth=depth, top_k=1))
+    assert tree.parents.tolist() == [-1, 0, 1, 2] and tree.tokens[0] == tokens[0, -1]
+    seq_features, seq_tokens, expected = draft.fuse_target(features), tokens, []
+    with torch.no_grad():
+        for _ in range(depth):
+            L = seq_tokens.shape[1]
+            causal = torch.ones(L, L, dtype=torch.bool).tril()
+            P, R = draft.step(seq_features, seq_tokens, torch.arange(L), None, causal)  # (1, L, D) each
+            top2 = draft.logits(P[0, -1]).topk(2)
+            assert top2.values[0] > top2.values[1]  # a strict argmax: the 2nd best differs
+            expected.append(int(top2.indices[0]))
+            seq_features = torch.cat([seq_features, R[:, -1:]], dim=1)
+            seq_tokens = torch.cat([seq_tokens, top2.indices[:1][None]], dim=1)
+    assert tree.tokens[1:].tolist() == expected
 
 
 def test_catch_up_accumulates_across_rounds(setup):

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from griffin.config import TreeConfig
@@ -32,11 +33,39 @@ def test_coordinate_search_finds_the_peak_of_a_known_surface():
     assert ranked == sorted(ranked, key=lambda c: -c.tokens_per_s)
 
 
-def test_verify_cost_curve_leaves_the_cache_at_the_prefix():
+def test_verify_cost_curve_leaves_the_cache_at_the_prefix(monkeypatch):
+    """After the curve, the cache it verified in is back at the prefix: its length is the prefix's and
+    the prefix's K/V entries are those the prefill wrote (verify and the compactions left them alone).
+    The target's cache keeps no invariant past its length (torch.empty), so nothing is checked there."""
+    from pipeline.evaluate.tune import CURVE_PREFIX
+
     cfg = load_config(TINY)
     target = load_target(cfg.target)
+    caches, after_prefill, forward = [], [], target.forward
+
+    def new_cache(capacity):
+        caches.append(type(target).new_cache(target, capacity))
+        return caches[-1]
+
+    def prefill_then_snapshot(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if not after_prefill:  # the first forward is the prefix's prefill
+            after_prefill.extend(
+                (layer.keys[:, :, :CURVE_PREFIX].clone(), layer.values[:, :, :CURVE_PREFIX].clone())
+                for layer in caches[0].layers
+            )
+        return out
+
+    monkeypatch.setattr(target, "new_cache", new_cache)
+    monkeypatch.setattr(target, "forward", prefill_then_snapshot)
     curve = verify_cost_curve(target, (1, 4, 8), repeats=2)
     assert set(curve) == {1, 4, 8} and all(ms > 0 for ms in curve.values())
+    (cache,) = caches
+    assert len(after_prefill) == len(cache.layers) and after_prefill[0][0].abs().sum() > 0
+    for layer, (keys, values) in zip(cache.layers, after_prefill):
+        assert layer.length == CURVE_PREFIX
+        assert torch.equal(layer.keys[:, :, :CURVE_PREFIX], keys)
+        assert torch.equal(layer.values[:, :, :CURVE_PREFIX], values)
 
 
 def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
@@ -64,7 +93,14 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     assert "best tree:" in printed and "decode.tree.total_tokens=" in printed
     report = json.loads((tmp_path / cfg.run_name / "tune_tree" / "tune_tree.json").read_text())
     best = report["best"]
-    assert best == max(report["candidates"], key=lambda c: c["tokens_per_s"])
+    assert best in report["candidates"]
+    # every candidate's expected speed is its measured tau over its draft + verify time, its verify
+    # time the curve's at its size; the speedup is the best's speed over vanilla
+    curve = {int(n): ms for n, ms in report["verify_ms_by_tokens"].items()}
+    for c in report["candidates"]:
+        assert c["verify_ms"] == pytest.approx(curve[c["total_tokens"]])
+        assert c["tokens_per_s"] == pytest.approx(1e3 * c["tau"] / (c["draft_ms"] + c["verify_ms"]))
+    assert report["expected_speedup"] == pytest.approx(best["tokens_per_s"] / report["vanilla_tokens_per_s"])
     TreeConfig(total_tokens=best["total_tokens"], depth=best["depth"], top_k=best["top_k"])  # a valid tree
     assert report["settings"]["prompts"] == 2 and len(report["verify_ms_by_tokens"]) == 11
     assert (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.png").stat().st_size > 0
@@ -107,8 +143,8 @@ def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
     draft_dir = str(save_draft_with_lineage(GriffinDraft.for_target(target), tmp_path / "draft", target))
     relative = f"{draft_dir}/../draft"  # the same directory, spelled differently
     assert reusable_tuning(cfg, draft_dir) is None  # nothing tuned yet
-    run_tune_tree(cfg, draft=draft_dir)
-    assert reusable_tuning(cfg, draft_dir)["best"]["tau"] >= 1.0
+    tuned = run_tune_tree(cfg, draft=draft_dir)
+    assert reusable_tuning(cfg, draft_dir)["best"] == tuned["best"]  # the tuning just run, read back
     assert reusable_tuning(cfg, relative) is not None
     assert reusable_tuning(cfg, str(tmp_path / "another-draft")) is None
     for changed in (
