@@ -68,16 +68,21 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
 
 
 def prompts(model_input: Any) -> list[str]:
-    """The prompts of a pyfunc input: a DataFrame's ``prompt`` column (or its only column), a Series, a
-    list of strings, one string, or ``{"prompt": [...]}``."""
+    """The prompts of a pyfunc input: a DataFrame's ``prompt`` column (or its only column), a Series,
+    or ``{"prompt": ...}``; each cell one prompt or a list of them. MLflow hands ``predict`` the
+    ``{"prompt": ["a", "b"]}`` form as one row whose cell is the whole list: it is two prompts."""
     if hasattr(model_input, "columns"):  # a pandas DataFrame
         column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
         model_input = model_input[column]
     elif isinstance(model_input, dict):
         model_input = model_input["prompt"]
-    if isinstance(model_input, str):
-        return [model_input]
-    return [str(item) for item in list(model_input)]
+    cells = [model_input] if isinstance(model_input, str) else list(model_input)
+    return [str(item) for cell in cells for item in ([cell] if isinstance(cell, str) or not _listlike(cell) else cell)]
+
+
+def _listlike(cell: Any) -> bool:
+    """A list, tuple or array of prompts in one cell (a numpy array when MLflow built the frame)."""
+    return isinstance(cell, (list, tuple)) or getattr(cell, "ndim", 0) == 1
 
 
 mlflow.models.set_model(SpeculativePyfunc())

@@ -20,7 +20,7 @@ from pipeline import runtime
 from pipeline.config import config_from_dict, load_config
 from pipeline.registry import register as registry
 from pipeline.resources.targets import load_target
-from tests.pipeline.test_registry import make_draft
+from tests.pipeline.test_registry import greedy_texts, make_draft
 
 TINY = "jobs/configs/tiny.yaml"
 ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
@@ -121,31 +121,60 @@ def test_feature_store_is_a_training_input(tmp_path):
     assert {t.key: t.value for t in logged.tags}["sha256"] == sha
 
 
-def test_worker_logging_recipe(tmp_path):
-    """What the training worker does on rank 0 (docs/design.md, "MLflow"): per-step metrics logged
-    asynchronously through its own client, flushed before the loop returns, and system metrics from a
-    monitor that runs while the driver holds the stage's run RUNNING."""
-    from mlflow.entities import Metric
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+def test_worker_logging_recipe(tmp_path, monkeypatch):
+    """The training worker's own MLflow code (``pipeline.train.worker``), driven as ``train_worker`` drives
+    it on each attempt, into the run the driver holds RUNNING: ``_rank0_tracking`` gives rank 0 a client
+    on ``cfg.tracking_uri`` (not the worker's own default URI, pointed elsewhere here) and other ranks
+    none; each ``_report_rank0`` lands every metric of its report at its step, and the step, loss and
+    latest score reach the driver's ``StageProgress``; leaving ``_rank0_tracking`` flushes MLflow's
+    async queue for that store (observed; the metrics are read back with no flush of the test's own);
+    system metrics land as ``system/rank0/*``, a restarted attempt's after the first's (resume_logging);
+    then the driver's ``_log_curves`` logs ``curves.png`` from those histories. Not here: the stage run's
+    params, resolved config and dataset input, logged inline in ``driver._run_stage`` around a Ray Train
+    ``fit()`` (tests/pipeline/test_train.py runs that)."""
+    from types import SimpleNamespace
 
+    from pipeline.train.driver import _log_curves
+    from pipeline.train.worker import SCORE, StageProgress, _rank0_tracking, _report_rank0
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")  # the worker's 10 s, shortened
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])
+    stage = cfg.train.schedule[0]  # 6 steps
     mlflow = runtime.setup_mlflow(cfg)
-    with mlflow.start_run() as run:
-        client = MlflowClient(cfg.tracking_uri)  # the worker's: from the config it was sent
-        monitor = SystemMetricsMonitor(
-            run.info.run_id, sampling_interval=0.5, resume_logging=True, node_id="rank0", tracking_uri=cfg.tracking_uri
-        )
-        monitor.start()
-        for step in range(5):
-            metrics = [Metric("train/loss", 1.0 / (step + 1), int(time.time() * 1000), step)]
-            client.log_batch(run.info.run_id, metrics=metrics, synchronous=False)
-        time.sleep(1.5)
-        monitor.finish()
-        mlflow.set_tracking_uri(cfg.tracking_uri)
-        mlflow.flush_async_logging()  # the store the worker's client logs through (one per URI)
-        assert len(MlflowClient().get_metric_history(run.info.run_id, "train/loss")) == 5
-    logged = MlflowClient().get_run(run.info.run_id).data.metrics
-    assert any(key.startswith("system/rank0/cpu_utilization_percentage") for key in logged), sorted(logged)
+    flushes, flush = [], mlflow.flush_async_logging  # each flush runs, recording the store it flushes
+    monkeypatch.setattr(mlflow, "flush_async_logging", lambda: (flushes.append(mlflow.get_tracking_uri()), flush())[1])
+    progress = StageProgress()  # the driver's actor, called in-process: `.update.remote(...)` is its method
+    reports = {step: {"train/loss": 1.0 / step, "train/tokens": 100.0 * step} for step in range(1, stage.steps + 1)}
+    for step in (2, 4, 6):
+        reports[step].update({SCORE: 1.0 + step / 10, "eval/acc_0": step / 10})
+    elsewhere = tmp_path / "worker-default.db"  # where a worker's own environment would point MLflow
+    with mlflow.start_run(run_name="tiny-stage1", log_system_metrics=False) as run:  # the driver's, RUNNING
+        run_id = run.info.run_id
+        config = {"mlflow_run_id": run_id, "progress": SimpleNamespace(update=SimpleNamespace(remote=progress.update))}
+        with _rank0_tracking(cfg, run_id, rank=1) as client:
+            assert client is None  # other ranks log nothing
+        for attempt in ((1, 2, 3, 4), (5, 6)):  # the second: a worker restarted from the step-4 checkpoint
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{elsewhere}")
+            mlflow.set_tracking_uri(f"sqlite:///{elsewhere}")
+            with _rank0_tracking(cfg, run_id, rank=0) as client:
+                time.sleep(1.5)  # a few samples of system metrics
+                for step in attempt:  # the last queued just before the loop returns
+                    _report_rank0(config, client, stage, step, reports[step], rate=1000.0, eta=1.0)
+            assert flushes.pop() == cfg.tracking_uri and not flushes  # on the way out, the client's store
+        reader = MlflowClient(cfg.tracking_uri)
+        for key in ("train/loss", "train/tokens", SCORE, "eval/acc_0"):
+            logged = {m.step: m.value for m in reader.get_metric_history(run_id, key)}
+            assert logged == {step: report[key] for step, report in reports.items() if key in report}, key
+        assert progress.latest() == {"step": 6, "loss": 1.0 / 6, "score": reports[6][SCORE]}
+        assert reader.get_run(run_id).info.status == "RUNNING"
+    assert not elsewhere.exists()
+    cpu = [key for key in reader.get_run(run_id).data.metrics if key.startswith("system/rank0/cpu_utilization")]
+    assert cpu, sorted(reader.get_run(run_id).data.metrics)
+    steps = [m.step for m in reader.get_metric_history(run_id, cpu[0])]
+    assert len(steps) >= 2 and len(set(steps)) == len(steps), steps  # the restart resumed, overwrote nothing
+    assert not [key for key in reader.get_run(run_id).data.metrics if key.startswith("system/rank1")]
+    _log_curves(mlflow, run_id, tmp_path)
+    assert [a.path for a in reader.list_artifacts(run_id)] == ["curves.png"]
 
 
 LOAD = """
@@ -158,7 +187,7 @@ sys.path_importer_cache.clear()
 import json, mlflow, pandas as pd
 before = set(sys.modules)
 model = mlflow.pyfunc.load_model("models:/{name}@candidate")
-texts = model.predict(pd.DataFrame({{"prompt": ["hi", "2+2="]}}), params={{"max_new_tokens": 8}})
+texts = model.predict(pd.DataFrame({{"prompt": ["hi", "2+2="]}}), params={{"max_new_tokens": 8, "temperature": 0.0}})
 import pipeline, griffin
 imported = sorted({{m.split(".")[0] for m in set(sys.modules) - before}})
 print(json.dumps({{"texts": list(texts), "code": [pipeline.__file__, griffin.__file__], "imported": imported}}))
@@ -184,8 +213,11 @@ def requirement_closure(requirements: list[str]) -> set[str]:
 def test_registered_model_generates_text_from_its_own_code(tmp_path, target):
     """`mlflow.pyfunc.load_model("models:/<name>@candidate").predict(...)` in a fresh interpreter outside the
     repository (isolated mode, no PYTHONPATH, the editable install's finder removed): the model's own
-    griffin/pipeline copies are imported, it returns one text per prompt, and every distribution it
-    imported is one its logged requirements install."""
+    griffin/pipeline copies are imported, it returns at T=0 one text per prompt, non-empty and equal to
+    the text decoded in this process from the same draft and target (``greedy_texts``: the prompt as a
+    user turn through the chat template, the target's greedy tokens, which speculative decoding
+    reproduces, decoded as the server does), and every distribution it imported is one its logged
+    requirements install."""
     cfg = load_config(TINY, [f"output_dir={tmp_path / 'out'}", "registry.model_name=pyfunc-test"])
     make_draft(cfg, target, tmp_path / "d")
     info = registry.register(cfg, tmp_path / "d")
@@ -202,7 +234,8 @@ def test_registered_model_generates_text_from_its_own_code(tmp_path, target):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(out["texts"]) == 2 and all(isinstance(text, str) for text in out["texts"])
+    # one text per prompt, each the non-empty greedy text decoded here in-process from the same draft directory
+    assert out["texts"] == greedy_texts(cfg, tmp_path / "d", ["hi", "2+2="], 8) and all(out["texts"]), out["texts"]
     repo = str(Path(__file__).resolve().parents[2])
     assert all(not path.startswith(repo) and "/code/" in path for path in out["code"]), out["code"]
     requirements = (

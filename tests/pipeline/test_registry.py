@@ -53,6 +53,30 @@ def downloads(cfg):
     return set(cache.iterdir()) if cache.is_dir() else set()
 
 
+def greedy_texts(cfg, draft_dir, prompts, max_new_tokens):
+    """What the registered pyfunc must return at T=0, decoded here in this process: each prompt as one
+    user turn through the target's chat template (``render_chat``), the target's greedy continuation
+    (``vanilla_generate``), which the draft decoding speculatively with the config's tree reproduces
+    token for token (``speculative_generate``: lossless), as text cut like the server's
+    (``completion_text``). The target is built from ``cfg.target`` for decoding and the draft is loaded
+    from ``draft_dir`` bound to it, as ``pipeline/serve/pyfunc.py`` builds them from the model config."""
+    from griffin.config import SamplingConfig
+    from griffin.decode import speculative_generate, vanilla_generate
+    from pipeline.data.chat import render_chat
+    from pipeline.serve.protocol import completion_text
+
+    target = load_target(cfg.target, decoding=True)
+    draft = drafts.load_draft_uri(draft_dir, target, cfg)
+    greedy, texts = SamplingConfig(temperature=0.0), []
+    for prompt in prompts:
+        ids = torch.tensor([render_chat(target.tokenizer, [{"role": "user", "content": prompt}])], device=target.device)
+        tokens = vanilla_generate(target, ids, greedy, max_new_tokens).tokens
+        speculative = speculative_generate(target, draft, ids, cfg.decode.tree, greedy, max_new_tokens).tokens
+        assert speculative == tokens, (prompt, speculative, tokens)
+        texts.append(completion_text(target.tokenizer, tokens, target.stop_token_ids, [])[0])
+    return texts
+
+
 def logits(draft):
     torch.manual_seed(1)
     prediction, _ = draft([torch.randn(1, 5, draft.cfg.hidden_size)], torch.randint(0, 200, (1, 5)))
@@ -71,7 +95,8 @@ def target():
 
 
 def test_register_alias_load(store, target, tmp_path):
-    """register -> alias candidate -> load by alias / version / run gives identical logits."""
+    """register -> alias candidate -> load by alias / version / run gives identical logits; the pyfunc
+    loaded by alias returns, at T=0, the non-empty text decoded here in-process (``greedy_texts``)."""
     cfg = make_cfg(store, "registry.model_name=load-test")
     draft = make_draft(cfg, target, tmp_path / "d")
     (tmp_path / "d" / "train_state.pt").write_bytes(b"optimizer state: not part of the model")
@@ -86,10 +111,14 @@ def test_register_alias_load(store, target, tmp_path):
         assert torch.equal(logits(loaded), logits(draft)), uri
         assert downloads(cfg) == kept  # a loaded draft's download is removed (replicas load one each start)
     import mlflow
+    import pandas as pd
 
-    pyfunc = mlflow.pyfunc.load_model("models:/load-test@candidate")  # generates text (tests/pipeline/test_mlflow.py)
-    texts = pyfunc.predict({"prompt": ["hi"]}, params={"max_new_tokens": 4})
-    assert len(texts) == 1 and isinstance(texts[0], str)
+    # its text is the target's greedy text for the prompt (out of the process: tests/pipeline/test_mlflow.py)
+    pyfunc = mlflow.pyfunc.load_model("models:/load-test@candidate")
+    expected = greedy_texts(cfg, tmp_path / "d", ["hi", "2+2="], 4)
+    for given in (pd.DataFrame({"prompt": ["hi", "2+2="]}), {"prompt": ["hi", "2+2="]}):  # a frame, or a list in a dict
+        texts = pyfunc.predict(given, params={"max_new_tokens": 4, "temperature": 0.0})
+        assert list(texts) == expected and all(texts), texts
 
 
 def test_lineage_tags(store, target, tmp_path):
