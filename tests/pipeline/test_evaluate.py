@@ -61,12 +61,17 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     for key, result in summary["results"].items():
         assert set(result["tokens_per_s"]) == methods
         assert set(result["speedup"]) == methods - {"griffin"}
-        assert result["tau"] >= 1.0 and result["mismatches"] == 0
+        if key.endswith("/T0"):  # at T > 0 the methods sample different tokens: nothing to compare
+            assert result["mismatches"] == 0
     eval_dir = tmp_path / "tiny" / "eval"
     for name in ["report.json", "report.md", "generations.jsonl", "tau.png", "speedup.png", "acceptance_histogram.png"]:
         assert (eval_dir / name).stat().st_size > 0, name
     report = json.loads((eval_dir / "report.json").read_text())
     assert "bonus token included" in report["definitions"]["tau"]
+    for key, result in summary["results"].items():  # tau from the acceptance histogram: k accepted + 1
+        histogram = report["results"][key]["methods"]["griffin"]["acceptance_histogram"]
+        tau = sum((k + 1) * n for k, n in enumerate(histogram)) / sum(histogram)
+        assert result["tau"] == pytest.approx(tau) and sum(histogram) >= 4  # a round per turn at least
     assert len(report["results"]["three/T0"]["methods"]["griffin"]["per_position_acceptance"]) == cfg.eval_tree.depth
     eagle = report["results"]["three/T0"]["methods"]["eagle"]  # in-process: its draft and verify cost per round
     assert 0 < eagle["draft_ms_per_round"] and 0 < eagle["verify_ms_per_round"]
@@ -85,7 +90,10 @@ def test_run_eval_writes_reports_with_baselines(tmp_path):
     shipped = run_ship(cfg, source=str(draft_dir), report=str(eval_dir / "report.json"), out=str(tmp_path / "ship"))
     card = json.loads((tmp_path / "ship" / "card.json").read_text())
     assert card["tree"] == {k: report["tree"][k] for k in ("total_tokens", "depth", "top_k")}
-    assert set(card["measured"]) == {"three/T0", "three/T1"} and card["measured"]["three/T0"]["tau"] >= 1.0
+    assert (
+        set(card["measured"]) == {"three/T0", "three/T1"}
+        and card["measured"]["three/T0"]["tau"] == summary["results"]["three/T0"]["tau"]
+    )
     assert shipped["bytes"] < 30e6 and "griffin serve" in (tmp_path / "ship" / "README.md").read_text()
     assert (card["token_loss"], card["vocab_from"]) == (cfg.train.method.token_loss, cfg.draft.vocab_from)
     assert f"token loss `{card['token_loss']}`" in (tmp_path / "ship" / "README.md").read_text()
