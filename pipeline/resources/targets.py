@@ -9,6 +9,7 @@ bit-identical weights without any file or download.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any
 
@@ -17,7 +18,10 @@ import torch
 from griffin.assets import ASSETS, default_cache_dir, prepare_asset, resolve_target_path
 from griffin.static import compile_enabled
 from griffin.target import TargetAdapter, resolve_dtype
+from griffin.target_parts import PartsUnreadable, TargetParts, read_target_parts
 from pipeline.config import RunConfig, TargetSection
+
+logger = logging.getLogger(__name__)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -114,6 +118,22 @@ def load_target(
     elif decoding and section.prepack:
         target.prepack()
     return target
+
+
+def load_target_parts(section: TargetSection, device: str = "cpu", layer: int | None = None) -> TargetParts:
+    """What a draft borrows from the target (griffin.target_parts), in the dtype resolved for
+    ``section.device``: read by name from the weight files, never the whole target; a tiny target is
+    built (it has no files). A checkpoint whose names differ from the model's loads whole, said in the log."""
+    dtype = resolve_dtype(section.dtype, section.device)
+    if section.tiny is not None:
+        return TargetParts.of(build_tiny_target(section.tiny, dtype), layer)
+    path = resolve_target_path(section.name, section.revision)
+    try:
+        return read_target_parts(path, dtype, device, layer, section.revision)
+    except PartsUnreadable as why:
+        logger.warning("reading the whole target %s for its embedding and head: %s", section.name, why)
+        target = load_target(section, device=device)
+        return TargetParts.of(target, layer)
 
 
 def draft_feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ from griffin.training import (
     train_step,
 )
 from pipeline.config import RunConfig, StageSection, config_from_dict
-from pipeline.resources.targets import load_target
+from pipeline.resources.targets import load_target_parts
 from pipeline.data.store import table_rows
 from pipeline.train import failures
 from pipeline.train.batches import ShardFeed, feed_batch, shifted_batches
@@ -70,10 +70,9 @@ def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | N
 def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, device) -> tuple[GriffinDraft, Tensor]:
     """A worker's draft on ``device`` and the target's full LM head there (V_target, D), the teacher of
     the held-out score. The target only lends the draft its frozen embedding and head (and
-    ``draft.init_layer`` a layer), so it is loaded on the CPU (in the dtype resolved for
-    ``target.device``) and dropped: a worker keeps those tensors, not the whole target
-    (benchmarks/training/train_memory.md), and its GPU never holds the target."""
-    target = load_target(cfg.target, device="cpu")
+    ``draft.init_layer`` a layer): those are all a worker reads of it, by name from its weight files
+    (pipeline.resources.targets.load_target_parts), in the dtype resolved for ``target.device``."""
+    target = load_target_parts(cfg.target, device="cpu", layer=cfg.draft.init_layer)
     draft = _init_draft(cfg, target, init_dir, d2t)
     tied = draft.embed_weight.data_ptr() == draft.head_weight.data_ptr()  # a tied target's one tensor
     draft = draft.to(device)
@@ -82,7 +81,7 @@ def _worker_draft(cfg: RunConfig, init_dir: str | None, d2t: list[int] | None, d
     # without a reduced vocabulary the draft's frozen head is the target's whole head already
     target_head = draft.head_weight if draft.d2t is None else target.head_weight.to(device)
     del target
-    gc.collect()  # reference cycles, if any, must not hold the target's layers until a later collection
+    gc.collect()  # reference cycles, if any, must not hold the parts' layer until a later collection
     release_freed_memory()
     return draft, target_head
 

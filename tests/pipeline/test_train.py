@@ -305,32 +305,46 @@ def test_stage_lr_defaults_follow_the_official_recipe():
     assert StagePlan.for_stage(2, "hass", steps=10).alignment_mask is False
 
 
-def test_a_worker_keeps_the_draft_and_the_head_but_not_the_target(monkeypatch):
-    """A training worker's draft is the one built from the whole target, and the target itself is
-    gone once it is built (only its embedding and head stay, bound to the draft)."""
-    import weakref
-
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_worker_reads_the_embedding_and_head_but_never_the_target(monkeypatch, tmp_path, tied):
+    """A training worker's draft (with ``draft.init_layer``) equals the one built from the whole target,
+    but the worker never loads the target: it reads the embedding, the head, the final norm and the one
+    layer by name from the target's sharded safetensors files, and nothing else."""
+    import pipeline.resources.targets as targets
     import pipeline.train.worker as train
-    from pipeline.resources.targets import load_target
+    from griffin.target_parts import read_target_parts
+    from pipeline.resources.targets import build_tiny_target, load_target
 
-    cfg = load_config("jobs/configs/tiny.yaml", ["draft.init_layer=0"])
-    reference_target = load_target(cfg.target)
-    reference = train._init_draft(cfg, reference_target, None, None)
-    lent = []
+    tiny = load_config("jobs/configs/tiny.yaml").target.tiny | {"tie_word_embeddings": tied}
+    saved = build_tiny_target(tiny, torch.float32)
+    saved.model.save_pretrained(tmp_path / "target", max_shard_size="100KB")  # several files and an index
+    saved.tokenizer.save_pretrained(tmp_path / "target")
+    cfg = load_config("jobs/configs/tiny.yaml", ["draft.init_layer=-1", f"target.name={tmp_path / 'target'}"])
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"tiny": None})})
+    whole = load_target(cfg.target)
+    reference = train._init_draft(cfg, whole, None, None)
 
-    def lend(section, **kwargs):
-        target = load_target(section, **kwargs)
-        lent.append(weakref.ref(target.model))
-        return target
+    def no_whole_target(*args, **kwargs):
+        raise AssertionError("a worker loaded the whole target")
 
-    monkeypatch.setattr(train, "load_target", lend)
+    monkeypatch.setattr(targets, "load_target", no_whole_target)
+    read = []
+
+    def reading(*args, **kwargs):
+        read.append(read_target_parts(*args, **kwargs))
+        return read[-1]
+
+    monkeypatch.setattr(targets, "read_target_parts", reading)
     draft, head = train._worker_draft(cfg, None, None, "cpu")
-    assert len(lent) == 1 and lent[0]() is None  # no reference to the target's model is left
-    assert torch.equal(head, reference_target.head_weight)
+    assert torch.equal(head, whole.head_weight) and torch.equal(draft.embed_weight, whole.embed_weight)
     assert head.data_ptr() == draft.head_weight.data_ptr()  # the full head once, not a second copy
-    assert torch.equal(draft.embed_weight, reference_target.embed_weight)
+    assert (draft.embed_weight.data_ptr() == head.data_ptr()) == tied
     theirs = reference.state_dict()
     assert all(torch.equal(value, theirs[name]) for name, value in draft.state_dict().items())
+    layer, other = (sum(t.nbytes for t in whole.backbone.layers[i].parameters()) for i in (-1, 0))
+    borrowed = whole.embed_weight.nbytes + (0 if tied else whole.head_weight.nbytes) + layer
+    (parts,) = read  # exactly those tensors and the final norm; never the other layer
+    assert parts.bytes_read == borrowed + whole.backbone.norm.weight.nbytes <= parts.file_bytes - other
 
 
 @pytest.mark.timeout(900)
