@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 import math
 from typing import Any
 
@@ -29,6 +30,7 @@ from pipeline.data.layout import next_index
 from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
 from pipeline.data.sources import Ledger, Sample, load_conversations
 from pipeline.resources.targets import feature_layers, load_target, target_fingerprint
+from pipeline.lock import store_lease
 from pipeline.data.store import (
     ACTOR_REASONS,
     LAYER,
@@ -327,8 +329,15 @@ def run_featurize(cfg: RunConfig, verify: str | None = None, repair: bool = Fals
     if repair and verify is None:
         raise ValueError("--repair goes with --verify STORE: `griffin featurize -c CONFIG --verify STORE --repair`")
     if verify is not None:
-        return _verify(verify, repair)
+        with store_lease(verify, "griffin featurize --verify --repair") if repair else nullcontext():
+            return _verify(verify, repair)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    with store_lease(cfg.store_path, "griffin featurize"):
+        return _featurize_store(cfg)
+
+
+def _featurize_store(cfg: RunConfig) -> dict[str, Any]:
+    """Featurize into ``cfg.store_path``, its lease held."""
     key, samples, ledger = prepare_samples(cfg)
     manifest, done = open_for_writing(cfg.store_path, key, cfg.resolved())
     carried = [s for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS]

@@ -36,6 +36,7 @@ from pipeline.data.chat import render_chat
 from pipeline.resources.targets import load_target, target_fingerprint
 from pipeline.runtime import ensure_ray
 from pipeline.data.sources import Conversation, Ledger, load_conversations
+from pipeline.lock import store_lease
 from pipeline.data.store import open_for_writing, write_manifest, write_part
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,12 @@ def _regenerate_parts(
 def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
     """Regenerate ``regenerate.source``'s conversations into ``cfg.regenerated_path`` (resuming)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    with store_lease(cfg.regenerated_path, "griffin regenerate"):
+        return _regenerate_store(cfg)
+
+
+def _regenerate_store(cfg: RunConfig) -> dict[str, Any]:
+    """Regenerate into ``cfg.regenerated_path``, its lease held."""
     target = load_target(cfg.target)
     fingerprint = target_fingerprint(target)
     del target

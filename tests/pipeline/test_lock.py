@@ -2,6 +2,7 @@
 command and is named, SIGTERM releases, a SIGKILLed or silent holder's lease is taken over; and two real
 `griffin featurize` on one output_dir."""
 
+import errno
 import json
 import os
 import signal
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.lock import LEASE_NAME, STALE_S, RunLocked, _acquire, read_lease, run_lock, take_over
+from pipeline import lock
+from pipeline.lock import LEASE_NAME, STALE_S, LeaseLost, RunLocked, _acquire, read_lease, run_lock, take_over
 
 REPO = Path(__file__).resolve().parents[2]
 GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
@@ -59,7 +61,7 @@ def test_live_holder_is_named_and_sigterm_releases(tmp_path):
                 pass
         message = str(refused.value)
         assert f"pid {proc.pid} on {socket.gethostname()}" in message and "`holder script`" in message
-        assert "wait for it to finish, stop it, or use another output_dir or run_name" in message
+        assert "wait for it to finish, stop it, or write elsewhere (another output_dir, run_name or" in message
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
         assert not (tmp_path / LEASE_NAME).exists()  # released on the way out, not left stale
@@ -97,11 +99,98 @@ def test_a_late_taker_never_removes_the_fresh_lease(tmp_path):
     assert take_over(lease, "fresh") and not lease.exists()
 
 
-def test_an_unreadable_lease_is_taken_over_after_a_grace(tmp_path):
-    """A writer killed between O_EXCL and its write leaves an empty lease."""
-    (tmp_path / LEASE_NAME).write_text("")
-    token = _acquire(tmp_path / LEASE_NAME, "here", wait_partial_s=0.2)
-    assert read_lease(tmp_path / LEASE_NAME)["token"] == token
+def test_an_unreadable_lease_is_never_taken_while_it_is_touched(tmp_path):
+    """Half-written (a writer killed between O_EXCL and its write) or unreadable on a flaky mount: while
+    its file is touched (a live holder's heartbeat) it is refused; once untouched for STALE_S, taken."""
+    lease = tmp_path / LEASE_NAME
+    lease.write_text("")
+    with pytest.raises(RunLocked, match=r"an unreadable lease"):
+        _acquire(lease, "here", wait_partial_s=0.2)
+    assert lease.read_text() == ""  # left as it was
+    old = time.time() - STALE_S - 5
+    os.utime(lease, (old, old))
+    token = _acquire(lease, "here", wait_partial_s=0.2)
+    assert read_lease(lease)["token"] == token
+
+
+@pytest.fixture
+def fast_heartbeat(monkeypatch):
+    """Heartbeats and retries every 50 ms, giving up after 1 s of failures."""
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(lock, "RETRY_S", 0.05)
+    monkeypatch.setattr(lock, "GIVE_UP_S", 1.0)
+
+
+def hold_until_interrupted(run_dir, seconds=60.0):
+    """Hold the lease and wait: only losing it (LeaseLost) ends this early."""
+    with run_lock(run_dir, "here"):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def flaky_utime(monkeypatch, failures: list):
+    """``os.utime`` in pipeline.lock failing with the given errors first (None: fail for ever)."""
+    real = os.utime
+
+    def utime(path, *args, **kwargs):
+        if failures is None or failures:
+            raise failures.pop(0) if failures else OSError(errno.EIO, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(lock.os, "utime", utime)
+
+
+def test_a_heartbeat_retries_transient_errors(tmp_path, monkeypatch, fast_heartbeat):
+    """ESTALE and EIO on a mount are retried: the lease stays held and touched once they pass."""
+    failures = [OSError(errno.ESTALE, "Stale file handle"), OSError(errno.EIO, "Input/output error")] * 3
+    flaky_utime(monkeypatch, failures)
+    with run_lock(tmp_path, "here") as path:
+        before = path.stat().st_mtime_ns
+        wait_for(lambda: not failures and path.stat().st_mtime_ns > before, 30, "a heartbeat after the failures")
+        assert read_lease(path)["command"] == "here"
+    assert not path.exists()
+
+
+def test_a_heartbeat_that_keeps_failing_stops_the_holder(tmp_path, monkeypatch, fast_heartbeat):
+    """Failures past GIVE_UP_S (well before another host may take the lease): the holder's block ends
+    with LeaseLost saying why, instead of writing on beside a possible new holder."""
+    flaky_utime(monkeypatch, None)
+    with pytest.raises(LeaseLost, match=r"could not be read or touched for 1 s: .*Input/output error"):
+        hold_until_interrupted(tmp_path)
+
+
+def test_a_holder_whose_lease_was_taken_stops_and_leaves_the_new_lease(tmp_path, fast_heartbeat):
+    lease = tmp_path / LEASE_NAME
+
+    def take_it():  # another writer replaced the lease (e.g. judged it stale across hosts)
+        wait_for(lease.exists, 30, "the lease")
+        lease.write_text(json.dumps({**read_lease(lease), "token": "another"}))
+
+    import threading
+
+    threading.Timer(0.2, take_it).start()
+    with pytest.raises(LeaseLost, match=r"was taken from this process"):
+        hold_until_interrupted(tmp_path)
+    assert read_lease(lease)["token"] == "another"  # never removed another's lease
+
+
+def test_a_store_outside_the_run_directory_has_its_own_lease(tmp_path):
+    """Two runs featurizing into one shared store: the second is refused by the store's lease, with the
+    holder named, before it opens the store (which deletes temp parts) or starts anything."""
+    from pipeline.config import load_config
+    from pipeline.data.featurize import run_featurize
+
+    shared = tmp_path / "shared-store"
+    first = holder(shared)
+    try:
+        cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", f"features.store={shared}"])
+        with pytest.raises(RunLocked, match=rf"feature store {shared} is in use by `holder script` \(pid {first.pid}"):
+            run_featurize(cfg)
+    finally:
+        first.terminate()
+        first.wait()
+    assert sorted(p.name for p in shared.iterdir()) == []  # nothing written there
 
 
 def featurize(out, *extra, **kwargs):
