@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from griffin.families import AttentionLayout, check_attention_implementation
+from griffin.target_parts import HeadShaped
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -196,7 +197,7 @@ def layer_features(out: Any, feature_layers: tuple[int, ...] | None) -> Tensor:
     return torch.cat([out.hidden_states[i].to(device) for i in feature_layers], dim=-1)
 
 
-class TargetAdapter:
+class TargetAdapter(HeadShaped):
     """The frozen target: prefill, tree verification, KV compaction, embedding and LM head."""
 
     def __init__(self, hf_model: Any, tokenizer: Any = None, name: str | None = None, revision: str | None = None):
@@ -274,14 +275,6 @@ class TargetAdapter:
 
     # ---- facts about the target --------------------------------------------------------
     @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
     def layer_devices(self) -> list[torch.device]:
         """Each decoder layer's device: one device, or a target split by ``device_map``."""
         layers = getattr(self.backbone, "layers", None)
@@ -301,14 +294,6 @@ class TargetAdapter:
     @property
     def head_weight(self) -> Tensor:
         return self.lm_head.weight  # (V, D); the embedding itself when tied
-
-    @property
-    def hidden_size(self) -> int:
-        return self.hf_config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.head_weight.shape[0]
 
     @property
     def max_context(self) -> int:

@@ -33,18 +33,12 @@ class PartsUnreadable(LookupError):
     """The target's files do not hold the parts under the model's own names."""
 
 
-@dataclass
-class TargetParts:
-    """The part of ``griffin.target.TargetAdapter`` a draft reads (``GriffinDraft.for_target``,
-    ``griffin.checkpoint.load_draft``); ``backbone.layers`` holds only the requested layer."""
+class HeadShaped:
+    """Device, dtype and sizes read off ``head_weight`` and ``hf_config``: the same for a whole target
+    (``griffin.target.TargetAdapter``) and for its parts."""
 
-    name: str
     hf_config: Any
-    embed_weight: Tensor  # (V, D)
-    head_weight: Tensor  # (V, D); the embedding itself when tied
-    backbone: nn.Module  # .norm (the final norm, when the family has one) and .layers (None but one)
-    bytes_read: int = 0  # bytes read from the target's weight files
-    file_bytes: int | None = None  # of every local weight file: what loading the whole target reads
+    head_weight: Tensor
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +55,20 @@ class TargetParts:
     @property
     def vocab_size(self) -> int:
         return self.head_weight.shape[0]
+
+
+@dataclass
+class TargetParts(HeadShaped):
+    """The part of ``griffin.target.TargetAdapter`` a draft reads (``GriffinDraft.for_target``,
+    ``griffin.checkpoint.load_draft``); ``backbone.layers`` holds only the requested layer."""
+
+    name: str
+    hf_config: Any
+    embed_weight: Tensor  # (V, D)
+    head_weight: Tensor  # (V, D); the embedding itself when tied
+    backbone: nn.Module  # .norm (the final norm, when the family has one) and .layers (None but one)
+    bytes_read: int = 0  # bytes read from the target's weight files
+    file_bytes: int | None = None  # of every local weight file: what loading the whole target reads
 
     @classmethod
     def of(cls, target: Any, layer: int | None = None) -> "TargetParts":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import sys
@@ -78,6 +79,17 @@ def tiny_deployment(tmp: Path, *overrides: str):
             yield SimpleNamespace(client=client, url=url, cfg=cfg, target=target, draft_dir=draft_dir)
     finally:
         stop_serve()
+
+
+def first_content(lines) -> dict:
+    """Reads a stream's lines (``iter_lines``) up to its first chunk with content, past the role chunk
+    and the blank lines between events: the decode has committed tokens. Returns that chunk."""
+    for line in lines:
+        assert line != "data: [DONE]", "the stream ended before any content"
+        chunk = json.loads(line.removeprefix("data: ")) if line.startswith("data: ") else {}
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            return chunk
+    raise AssertionError("the stream ended before any content")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FORBIDDEN_IN_GRIFFIN = {"ray", "mlflow", "accelerate", "pipeline"}
-SHARED = {"pipeline.config", "pipeline.console", "pipeline.runtime", "pipeline.files", "pipeline.lock"}  # any package may use these
+SHARED = {
+    "pipeline.config",
+    "pipeline.console",
+    "pipeline.runtime",
+    "pipeline.files",
+    "pipeline.lock",
+}  # any package may use these
 # package -> the pipeline packages (or modules) it may import besides itself and SHARED
 ALLOWED = {
     "pipeline.resources": set(),

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import OracleDraft, make_target, tiny_deployment
+from tests.conftest import OracleDraft, first_content, make_target, tiny_deployment
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import LogprobRecorder, speculative_generate, vanilla_generate
@@ -349,17 +349,6 @@ def test_forged_system_turn_through_the_endpoint(server):
 # ---- overload and impatience ----
 def stats(server):
     return server.client.get("/stats").json()
-
-
-def first_content(lines) -> dict:
-    """Reads a stream's lines (``iter_lines``) up to its first chunk with content, past the role chunk
-    and the blank lines between events: the decode has committed tokens. Returns that chunk."""
-    for line in lines:
-        assert line != "data: [DONE]", "the stream ended before any content"
-        chunk = json.loads(line.removeprefix("data: ")) if line.startswith("data: ") else {}
-        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-            return chunk
-    raise AssertionError("the stream ended before any content")
 
 
 def wait_for(condition, timeout=60.0):

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import tiny_deployment
+from tests.conftest import first_content, tiny_deployment
 
 from pipeline.serve.app import APP_NAME
 from pipeline.serve.ingress import CONTROL_TIMEOUT_S
@@ -62,17 +62,6 @@ def decoder_pids() -> list[int]:
         filters=[("class_name", "=", f"ServeReplica:{APP_NAME}:SpeculativeDecoder"), ("state", "=", "ALIVE")],
     )
     return [actor.pid for actor in actors]
-
-
-def first_content(lines) -> dict:
-    """Reads a stream's lines (``iter_lines``) up to its first chunk with content, past the role chunk
-    and the blank lines between events: the decode has committed tokens. Returns that chunk."""
-    for line in lines:
-        assert line != "data: [DONE]", "the stream ended before any content"
-        chunk = json.loads(line.removeprefix("data: ")) if line.startswith("data: ") else {}
-        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-            return chunk
-    raise AssertionError("the stream ended before any content")
 
 
 def wait_for(condition, timeout=120.0):
