@@ -125,6 +125,23 @@ def _trainer(cfg: RunConfig, stage: StageSection, loop_config: dict[str, Any], d
     )
 
 
+def check_resume_world_size(cfg: RunConfig, stage: StageSection) -> None:
+    """Refuse to resume a stage at another world size than its latest checkpoint was saved at: each rank's
+    data position (rows taken) holds for that world only, so another would skip the wrong rows. The
+    world size is the number of ranks that saved their RNG state there (rank 0 also records it)."""
+    run = cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage{stage.stage}"
+    checkpoints = sorted(p for p in run.glob("checkpoint_*") if p.is_dir() and any(p.glob("rng_rank*.pt")))
+    if not checkpoints:
+        return
+    saved = len(list(checkpoints[-1].glob("rng_rank*.pt")))  # Ray names checkpoints by time: the last is the latest
+    if saved != cfg.train.num_workers:
+        raise ValueError(
+            f"stage {stage.stage} would resume from {checkpoints[-1]}, saved by {saved} workers, with "
+            f"train.num_workers={cfg.train.num_workers}: each rank's place in the data holds for {saved} ranks "
+            f"only. Resume with train.num_workers={saved}, or start the stage again under another run_name"
+        )
+
+
 def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
     out = stage_dir(cfg, stage.stage)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +186,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         mlflow.start_run(run_id=run_id, nested=True, log_system_metrics=False),
     ):
         failures.clear(out)
+        check_resume_world_size(cfg, stage)
         result = _trainer(cfg, stage, {**loop_config, "progress": channel}, context["datasets"]).fit()
         if given_up := failures.exhausted(out, cfg.train.max_same_failures):
             raise RuntimeError(

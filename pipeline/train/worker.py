@@ -95,13 +95,14 @@ def rng_state_name(rank: int) -> str:
 
 def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, feed: ShardFeed, rank, provenance) -> None:
     """Rank 0 writes what every rank holds alike (DDP): the draft, optimizer and scheduler state, the
-    step and the data position (ranks take rows in lockstep). Every rank adds its own RNG state, with
-    its weights' hash to show that the ranks agree."""
+    step and the data position (ranks take rows in lockstep), with the world size it holds for. Every
+    rank adds its own RNG state, with its weights' hash to show that the ranks agree."""
     weights = tensors_sha256(dict(draft.named_parameters()))
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
-        torch.save({**state, "epoch": feed.epoch, "taken": feed.taken}, directory / TRAIN_STATE)
+        position = {"epoch": feed.epoch, "taken": feed.taken, "world_size": feed.world}  # taken: per rank
+        torch.save({**state, **position}, directory / TRAIN_STATE)
     torch.save({"rng": torch.get_rng_state(), "weights_sha256": weights}, directory / rng_state_name(rank))
 
 

@@ -157,10 +157,31 @@ def test_resume_after_crash_gives_identical_weights(store, schedule_run):
         assert reference.keys() == weights.keys() and all(torch.equal(reference[k], weights[k]) for k in reference)
         assert state["step"] == reference_state["step"] and state["scheduler"] == reference_state["scheduler"]
         assert (state["epoch"], state["taken"]) == (reference_state["epoch"], reference_state["taken"])
+        assert state["world_size"] == reference_state["world_size"] == 2
         ours, theirs = state["optimizer"]["state"], reference_state["optimizer"]["state"]  # Adam moments
         assert ours.keys() == theirs.keys()
         for key in theirs:
             assert all(torch.equal(ours[key][n], theirs[key][n]) for n in theirs[key])
+
+
+def test_a_resume_at_another_world_size_is_refused_naming_both(tmp_path):
+    """A stage's latest checkpoint saved by 2 ranks: resuming it with 1 or 4 workers is refused before Ray
+    Train starts, naming both sizes; with 2 it goes ahead. Only the latest checkpoint counts."""
+    from pipeline.config import StageSection
+    from pipeline.train.driver import check_resume_world_size
+
+    cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={tmp_path}", "train.num_workers=2"])
+    stage = StageSection(stage=1, steps=4, lr=0.002)
+    run = cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage1"
+    for name, ranks in (("checkpoint_2026-12-06_10-00-00.000000", 4), ("checkpoint_2026-12-06_10-05-00.000000", 2)):
+        (run / name).mkdir(parents=True)
+        for rank in range(ranks):
+            (run / name / f"rng_rank{rank}.pt").write_bytes(b"")
+    check_resume_world_size(cfg, stage)
+    for workers in (1, 4):
+        other = cfg.model_copy(update={"train": cfg.train.model_copy(update={"num_workers": workers})})
+        with pytest.raises(ValueError, match=rf"saved by 2 workers, with train.num_workers={workers}.*num_workers=2"):
+            check_resume_world_size(other, stage)
 
 
 @pytest.mark.timeout(600)
