@@ -23,8 +23,8 @@ the holder. The lease is the driver's: Ray workers, actors and replicas never ta
   it only if it still holds the stale token, then competes for a fresh lease like anyone else: of two
   racing takers one wins, the other is refused by the winner's lease.
 - **Re-entrant.** A process that holds the lease takes it again at no cost (``griffin run``'s stages).
-- **Several folders.** ``leases(dirs, command)`` holds one lease per folder, in a fixed order: a
-  command also holds the feature store's when the store lies outside its run directory.
+- **Stores.** ``store_lease(store, command)``: a feature store's own lease in its folder, held while
+  featurize or regenerate writes it (a store outside the run directory is shared by runs).
 - **Release.** On leaving the ``with``, on an exception and on SIGTERM (turned into ``SystemExit`` while
   held, in the main thread); a SIGKILL leaves a stale lease the next command takes over.
 
@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ logger = logging.getLogger("griffin")
 
 
 class RunLocked(RuntimeError):
-    """Another live process holds the run directory's lease."""
+    """Another live process holds the lease (of a run directory or a feature store)."""
 
 
 class LeaseLost(RuntimeError):
@@ -347,15 +347,6 @@ def run_lock(run_dir: str | Path, command: str, what: str = "run directory") -> 
             if held.depth == 0:
                 del _held[path]
                 _release(held)
-
-
-@contextmanager
-def leases(dirs: list[str | Path], command: str) -> Iterator[list[Path]]:
-    """``run_lock`` on each of ``dirs`` (duplicates once), in sorted order so that two commands wanting
-    the same folders never each hold one and wait on the other."""
-    unique = sorted({Path(d).expanduser().resolve() for d in dirs})
-    with ExitStack() as stack:
-        yield [stack.enter_context(run_lock(d, command)) for d in unique]
 
 
 @contextmanager
