@@ -2,7 +2,7 @@
 LM head (the embedding itself when tied), the final norm and, for ``draft.init_layer``, one decoder
 layer. A training worker needs nothing else, and at 32 workers the whole target per worker is what
 fills a node's RAM and its reads (docs/scaling.md §4.7): an 8B target is 16 GB, its embedding and
-head 1 GB.
+head 2.1 GB (bf16).
 
 The tensors' names come from the model built on the meta device (no memory, no weights read); the
 tensors come from the target's safetensors files by name, the index saying which file holds which.
