@@ -139,11 +139,12 @@ class WeightFiles:
 
     def __init__(self, path: str, revision: str | None = None):
         self.path, self.revision, self.bytes_read = path, revision, 0
-        index = self._file(INDEX, optional=True)
+        index, single = self._file(INDEX, optional=True), None
+        if index is None and (single := self._file(SINGLE, optional=True)) is None:
+            raise PartsUnreadable(f"{path} has no safetensors weights (e.g. only pytorch_model.bin)")
         if index is not None:
             self.holder = json.loads(Path(index).read_text())["weight_map"]  # tensor name -> file name
         else:
-            single = self._file(SINGLE)
             with safe_open(single, framework="pt") as f:
                 self.holder = {name: SINGLE for name in f.keys()}
         local = Path(path).expanduser()

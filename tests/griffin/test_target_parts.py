@@ -69,3 +69,12 @@ def test_bf16_parts_on_request(tmp_path):
     saved("qwen2", tmp_path)
     parts = read_target_parts(str(tmp_path), torch.bfloat16, layer=0)
     assert parts.dtype == parts.backbone.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_a_target_without_safetensors_is_refused_by_name(tmp_path):
+    """Weights only as pytorch_model.bin: the parts cannot be read by name; the caller loads it whole."""
+    model = build("llama").model
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(PartsUnreadable, match="has no safetensors weights"):
+        read_target_parts(str(tmp_path), torch.float32)
