@@ -197,10 +197,32 @@ def layer_features(out: Any, feature_layers: tuple[int, ...] | None) -> Tensor:
     return torch.cat([out.hidden_states[i].to(device) for i in feature_layers], dim=-1)
 
 
+def stop_token_ids(generation_config: Any, hf_config: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the generation config, the model config and the tokenizer (e.g. both
+    ``<|im_end|>`` and ``<|endoftext|>`` for Qwen2.5); never hard-coded per model."""
+    ids: list[int] = []
+    for source in (
+        getattr(generation_config, "eos_token_id", None),
+        hf_config.eos_token_id,
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
 class TargetAdapter(HeadShaped):
     """The frozen target: prefill, tree verification, KV compaction, embedding and LM head."""
 
-    def __init__(self, hf_model: Any, tokenizer: Any = None, name: str | None = None, revision: str | None = None):
+    def __init__(
+        self,
+        hf_model: Any,
+        tokenizer: Any = None,
+        name: str | None = None,
+        revision: str | None = None,
+        files: str | None = None,
+    ):
         self.model = hf_model.eval()
         self.backbone = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
@@ -211,6 +233,7 @@ class TargetAdapter(HeadShaped):
         self.tokenizer = tokenizer
         self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
         self.revision = revision  # the hub revision it was loaded at (lineage); None: the default or not the hub
+        self.files = files  # the directory or hub id its weights came from (griffin.target_files); None: built
         self.packed = False  # see prepack()
         self.compiled_forward: Callable | None = None  # see compile_decoding()
         self._weights_sha256: str | None = None
@@ -246,7 +269,7 @@ class TargetAdapter(HeadShaped):
         )
         model = model if device_map is not None else model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-        return cls(model, tokenizer, name=str(path_or_name), revision=revision)
+        return cls(model, tokenizer, name=str(path_or_name), revision=revision, files=path)
 
     def prepack(self) -> bool:
         """Pre-pack the target's linear layers for CPU decoding, fp32 or native bf16 (``PackedLinear``); a
@@ -301,19 +324,7 @@ class TargetAdapter(HeadShaped):
 
     @property
     def stop_token_ids(self) -> list[int]:
-        """EOS ids from the generation config, the model config and the tokenizer (e.g. both
-        ``<|im_end|>`` and ``<|endoftext|>`` for Qwen2.5); never hard-coded per model."""
-        ids: list[int] = []
-        gen = getattr(self.model, "generation_config", None)
-        for source in (
-            getattr(gen, "eos_token_id", None),
-            self.hf_config.eos_token_id,
-            getattr(self.tokenizer, "eos_token_id", None),
-        ):
-            for i in source if isinstance(source, (list, tuple)) else [source]:
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
-        return ids
+        return stop_token_ids(getattr(self.model, "generation_config", None), self.hf_config, self.tokenizer)
 
     # ---- cache -------------------------------------------------------------------------
     def new_cache(self, capacity: int) -> TargetCache:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from griffin.families import AttentionLayout
+from griffin.target_files import locate
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -168,16 +169,4 @@ class WeightFiles:
         return out
 
     def _file(self, name: str, optional: bool = False) -> str | None:
-        local = Path(self.path).expanduser()
-        if local.is_dir():
-            found = local / name
-            return str(found) if found.is_file() or not optional else None
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
-
-        try:
-            return hf_hub_download(self.path, name, revision=self.revision)
-        except EntryNotFoundError:
-            if optional:
-                return None
-            raise
+        return locate(self.path, name, self.revision, optional)

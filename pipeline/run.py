@@ -147,16 +147,17 @@ def _stages(cfg: RunConfig, banner: Banners) -> dict[str, Any]:
     from pipeline.evaluate.evaluate import run_eval
     from pipeline.data.featurize import run_featurize
     from pipeline.registry.register import promote, register
-    from pipeline.resources.targets import load_target
+    from griffin.target import resolve_dtype
+    from pipeline.resources.identity import target_identity
     from pipeline.train.driver import run_train
 
     banner("target")
-    target = load_target(cfg.target)
+    target = target_identity(cfg.target)  # config and shapes: the stages load what they need themselves
+    text = target.hf_config.get_text_config()
     say(
-        f"target {target.name}: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
-        f"{target.dtype}, {target.device}"
+        f"target {target.name}: {text.model_type}, {text.num_hidden_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.vocab_size}; {resolve_dtype(cfg.target.dtype, cfg.target.device)} on {cfg.target.device}"
     )
-    del target
     if "regenerate" in banner.steps:
         from pipeline.data.regenerate import run_regenerate
 

@@ -26,6 +26,7 @@ import torch
 from pipeline.data import store as st
 from pipeline.config import config_from_dict
 from pipeline.data.featurize import Featurizer, prepare_samples, plan_parts, run_featurize, token_batches
+from pipeline.resources.identity import target_identity
 
 OUT = Path(__file__).parent
 LLAMA3_8B_HIDDEN, SHAREGPT_68K = 4096, 68_000
@@ -128,7 +129,7 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     cfg, load_start = bench_config(args), os.getloadavg()
     torch.set_num_threads(args.threads)
-    key, samples, ledger = prepare_samples(cfg)
+    key, samples, ledger = prepare_samples(cfg, target_identity(cfg.target))
     featurizer = Featurizer(cfg.target.model_dump(), "bf16", cfg.features.batch_tokens)
     batches = forward_batches(cfg, samples, key["hidden_size"])
     first = bare_forward(featurizer, batches[0::2])  # interleaved: even batches before, odd after

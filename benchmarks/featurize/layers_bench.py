@@ -29,6 +29,7 @@ from griffin.config import default_feature_layers  # noqa: E402
 from pipeline.data import store as st  # noqa: E402
 from pipeline.config import config_from_dict  # noqa: E402
 from pipeline.data.featurize import Featurizer, prepare_samples, plan_parts, token_batches  # noqa: E402
+from pipeline.resources.identity import target_identity  # noqa: E402
 
 OUT = Path(__file__).parent
 
@@ -68,7 +69,7 @@ def main() -> None:
             "features": {"batch_tokens": args.batch_tokens},
         }
     )
-    key, samples, _ = prepare_samples(cfg)
+    key, samples, _ = prepare_samples(cfg, target_identity(cfg.target))
     hidden = key["hidden_size"]
     layers = default_feature_layers(30)
     featurizers = {

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from griffin.target import TargetAdapter
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
@@ -29,7 +30,8 @@ from pipeline.data.integrity import repair_command, repair_store, verify_store
 from pipeline.data.layout import next_index
 from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
 from pipeline.data.sources import Ledger, Sample, load_conversations
-from pipeline.resources.targets import feature_layers, load_target, target_fingerprint
+from pipeline.resources.identity import TargetIdentity, target_fingerprint, target_identity
+from pipeline.resources.targets import feature_layers, load_target
 from pipeline.lock import store_lease
 from pipeline.data.store import (
     ACTOR_REASONS,
@@ -271,12 +273,14 @@ def target_part(key: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in key.items() if k not in capture}
 
 
-def prepare_samples(cfg: RunConfig) -> tuple[dict[str, Any], list[Sample], Ledger]:
-    """Capture key, tokenized samples and the ledger; the driver's copy of the target ends here.
-    Tokenizing runs on Ray Data (``pipeline.data.tokenize``), spread over the cluster's CPUs."""
+def prepare_samples(
+    cfg: RunConfig, target: TargetAdapter | TargetIdentity
+) -> tuple[dict[str, Any], list[Sample], Ledger]:
+    """Capture key, tokenized samples and the ledger; ``target``: the driver's, without its weights
+    (``pipeline.resources.identity.target_identity``). Tokenizing runs on Ray Data
+    (``pipeline.data.tokenize``), spread over the cluster's CPUs."""
     from pipeline.data.tokenize import tokenize_conversations
 
-    target = load_target(cfg.target)
     key, ledger = capture_key(cfg, target), Ledger()
     conversations = load_conversations(cfg.training_data, ledger)
     ensure_ray(cfg)
@@ -338,8 +342,9 @@ def run_featurize(cfg: RunConfig, verify: str | None = None, repair: bool = Fals
 
 def _featurize_store(cfg: RunConfig) -> dict[str, Any]:
     """Featurize into ``cfg.store_path``, its lease held."""
-    key, samples, ledger = prepare_samples(cfg)
-    manifest, done = open_for_writing(cfg.store_path, key, cfg.resolved())
+    target = target_identity(cfg.target)  # the actors load it; the driver needs none of its weights
+    key, samples, ledger = prepare_samples(cfg, target)
+    manifest, done = open_for_writing(cfg.store_path, key, cfg.resolved(), lambda: target.weights_sha256)
     carried = [s for s in manifest["skipped"] if s["reason"] in ACTOR_REASONS]
     manifest["skipped"], manifest["selected"] = ledger.entries + carried, len(samples)
     todo = [s for s in samples if s.sample_id not in done]

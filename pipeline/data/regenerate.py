@@ -33,7 +33,8 @@ from pipeline.config import RunConfig, TargetSection
 from pipeline.data.layout import next_index
 from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
 from pipeline.data.chat import render_chat
-from pipeline.resources.targets import load_target, target_fingerprint
+from pipeline.resources.identity import target_fingerprint, target_identity
+from pipeline.resources.targets import load_target
 from pipeline.runtime import ensure_ray
 from pipeline.data.sources import Conversation, Ledger, load_conversations
 from pipeline.lock import store_lease
@@ -270,13 +271,13 @@ def run_regenerate(cfg: RunConfig) -> dict[str, Any]:
 
 def _regenerate_store(cfg: RunConfig) -> dict[str, Any]:
     """Regenerate into ``cfg.regenerated_path``, its lease held."""
-    target = load_target(cfg.target)
+    target = target_identity(cfg.target)  # the actors load it; the driver needs none of its weights
     fingerprint = target_fingerprint(target)
-    del target
     ledger = Ledger()
     conversations = load_conversations(cfg.prompt_data, ledger)
     try:
-        manifest, done = open_for_writing(cfg.regenerated_path, capture_key(cfg, fingerprint), cfg.resolved())
+        key = capture_key(cfg, fingerprint)
+        manifest, done = open_for_writing(cfg.regenerated_path, key, cfg.resolved(), lambda: target.weights_sha256)
     except ValueError as error:
         raise ValueError(
             f"regenerated set {cfg.regenerated_path} was made differently ({error}); set "

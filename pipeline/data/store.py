@@ -22,6 +22,7 @@ import logging
 import os
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -41,6 +42,7 @@ from pipeline.data.layout import (
     parts_dataset,
     utc_now,
 )
+from pipeline.resources.identity import fingerprint_problems
 
 MANIFEST = "_manifest.json"
 SCHEMA_VERSION = 2  # 2 added the optional ``layers`` column; version-1 parts read the same
@@ -199,7 +201,9 @@ def write_manifest(store: str, manifest: dict[str, Any]) -> None:
     fs.move(tmp, f"{root}/{MANIFEST}")
 
 
-def open_for_writing(store: str, capture_key: dict, config: dict) -> tuple[dict[str, Any], set[str]]:
+def open_for_writing(
+    store: str, capture_key: dict, config: dict, weights_sha256: Callable[[], str] | None = None
+) -> tuple[dict[str, Any], set[str]]:
     """The manifest to continue (marked incomplete) and the sample ids already done. Deletes
     half-written temp files, forgets listed parts that are gone, adopts finished parts that a
     killed run wrote but never recorded, and refuses a store captured with another key."""
@@ -215,7 +219,7 @@ def open_for_writing(store: str, capture_key: dict, config: dict) -> tuple[dict[
             "files": [],
             "skipped": [],
         }
-    elif problems := key_mismatches(manifest["capture_key"], capture_key):
+    elif problems := key_mismatches(manifest["capture_key"], capture_key, weights_sha256):
         raise ValueError(
             f"feature store {store} holds features captured differently ({'; '.join(problems)}); "
             "set features.store to a new location or delete the old store"
@@ -290,24 +294,25 @@ def read_manifest(store: str, require_complete: bool = True) -> dict[str, Any]:
     return manifest
 
 
-# recorded in a capture key for lineage, never compared: the weights hash already pins the target, and a
-# store captured before revisions were recorded (or at "main" vs its commit sha) holds the same features
-LINEAGE_ONLY = ("target_revision",)
+def key_mismatches(
+    stored: dict[str, Any], expected: dict[str, Any], weights_sha256: Callable[[], str] | None = None
+) -> list[str]:
+    """How a store's capture key differs from ``expected``, the target's identity compared as
+    ``pipeline.resources.identity.fingerprint_problems`` does (``weights_sha256``: the target's
+    weights hash, asked for only when the store records no files digest)."""
+    return fingerprint_problems(stored, expected, weights_sha256 or (lambda: None), words=("store has", "expected"))
 
 
-def key_mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    return [
-        f"{k}: store has {stored.get(k)!r}, expected {v!r}"
-        for k, v in expected.items()
-        if k not in LINEAGE_ONLY and stored.get(k) != v
-    ]
-
-
-def check_capture_key(store: str, fingerprint: dict[str, Any], max_len: int | None = None) -> dict[str, Any]:
+def check_capture_key(
+    store: str,
+    fingerprint: dict[str, Any],
+    max_len: int | None = None,
+    weights_sha256: Callable[[], str] | None = None,
+) -> dict[str, Any]:
     """The store's manifest if it was captured from this target (and ``max_len``); else ValueError."""
     manifest = read_manifest(store)
     expected = {**fingerprint, **({} if max_len is None else {"max_len": max_len})}
-    if problems := key_mismatches(manifest["capture_key"], expected):
+    if problems := key_mismatches(manifest["capture_key"], expected, weights_sha256):
         raise ValueError(
             f"feature store {store} does not match this target: {'; '.join(problems)}. Featurize "
             "for this target (`griffin featurize -c CONFIG features.store=NEW`) or train the target "

@@ -28,7 +28,8 @@ from pipeline.config import RunConfig
 from pipeline.console import Progress, say
 from pipeline.resources.drafts import draft_for_run
 from pipeline.resources.questions import load_questions
-from pipeline.resources.targets import load_target, target_fingerprint
+from pipeline.resources.identity import FILES, WEIGHTS, target_fingerprint
+from pipeline.resources.targets import load_target
 from pipeline.data.chat import render_chat
 from pipeline.evaluate.methods import Method, Output, build_methods, load_drafts
 from pipeline.evaluate.report import log_report, machine_identity, summarize, write_reports
@@ -191,12 +192,12 @@ def _json_or_none(line: str) -> Any:
 
 
 def eval_key(cfg: RunConfig, target: Any, drafts: dict[str, Any]) -> str:
-    """What decides an evaluation's results: the whole config, the target's weights, every draft's
+    """What decides an evaluation's results: the whole config, the target's identity (files or weights), every draft's
     weights (an alias such as @candidate may point at new weights between two runs) and the machine
     (the speeds are this machine's)."""
     identity = {
         "config": cfg.model_dump(mode="json"),
-        "target": target_fingerprint(target)["target_weights_sha256"],
+        "target": {k: v for k, v in target_fingerprint(target).items() if k in (FILES, WEIGHTS)},
         "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()},
         "machine": machine_identity(),
     }

@@ -38,7 +38,7 @@ from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_draft_config, wei
 from pipeline.config import RunConfig
 from pipeline.runtime import setup_mlflow
 from pipeline.resources.drafts import ARTIFACT_KEY, check_lineage, resolve_draft
-from pipeline.resources.targets import load_target
+from pipeline.resources.identity import target_identity
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 LOGGED_MODEL_NAME = "draft"
@@ -49,7 +49,8 @@ VIOLATIONS_TAG = "eval.violations"  # model-version tag: T=0 divergences beyond 
 GATE_TAG = "eval.gate"
 TARGET_TAGS = (
     "target_id",
-    "target_weights_sha256",
+    "target_files_sha256",  # drafts trained since file fingerprints (pipeline.resources.identity)
+    "target_weights_sha256",  # drafts trained before, and drafts of a target built in memory
     "tokenizer_sha256",
     "chat_template_sha256",
     "hidden_size",
@@ -206,7 +207,7 @@ def register(cfg: RunConfig, checkpoint: str | Path | None = None) -> dict[str, 
     (any form ``pipeline.resources`` resolves) must have been trained for the run's target."""
     draft_dir = resolve_draft(checkpoint, cfg) if checkpoint else default_checkpoint(cfg)
     _, raw = read_draft_config(draft_dir)  # fails clearly when it is not a draft directory
-    check_lineage(draft_dir, load_target(cfg.target), str(checkpoint or draft_dir))
+    check_lineage(draft_dir, target_identity(cfg.target), str(checkpoint or draft_dir))  # no weights read
     sha = weights_sha256(draft_dir)
     setup_mlflow(cfg)
     client, name = MlflowClient(), cfg.model_name
@@ -343,9 +344,10 @@ def _refusal(candidate, champion, tau: float, benchmark: str, violations: int) -
             f"champion v{champion.version} has no τ on {benchmark!r} to compare with; record it first with "
             f"promote(cfg, {champion.version}, tau, {benchmark!r})"
         )
-    ours, theirs = (v.tags.get("target.target_weights_sha256") for v in (candidate, champion))
-    if ours and theirs and ours != theirs:
-        return f"champion v{champion.version} drafts for other target weights ({theirs[:12]}, not {ours[:12]})"
+    for key in ("target.target_files_sha256", "target.target_weights_sha256"):  # an identity both recorded
+        ours, theirs = (v.tags.get(key) for v in (candidate, champion))
+        if ours and theirs and ours != theirs:
+            return f"champion v{champion.version} drafts for another target ({key} {theirs[:12]}, not {ours[:12]})"
     if tau <= best:
         return f"τ {tau:.4f} does not beat champion v{champion.version}'s {best:.4f} on {benchmark!r}"
     return None

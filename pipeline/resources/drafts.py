@@ -1,7 +1,7 @@
 """The one draft resolver: ``resolve_draft(uri, cfg) -> Path`` and ``load_draft_uri(uri, target, cfg)`` for a
 draft directory, a shipped ``drafts/...`` path, ``models:/<name>@<alias>``, ``models:/<name>/<version>``
 or ``runs:/<run_id>/<path>``. Every form goes through ``check_lineage``: the draft must have been
-trained for this target's weights, tokenizer and chat template (``target_fingerprint``).
+trained for this target's files (or weights), tokenizer and chat template (``target_fingerprint``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 from griffin.target import TargetAdapter
 from griffin.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_draft as bind_draft, read_draft_config
 from pipeline.config import RunConfig
-from pipeline.resources.targets import target_fingerprint
+from pipeline.resources.identity import FILES, WEIGHTS, TargetIdentity, fingerprint_problems, target_fingerprint
 
 logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACT_KEY = "draft"  # the draft directory's name inside a registered (logged) model
-LINEAGE_KEYS = ("target_weights_sha256", "tokenizer_sha256", "chat_template_sha256")
+LINEAGE_KEYS = ("hidden_size", "vocab_size", "tokenizer_sha256", "chat_template_sha256")  # and the identity
 
 
 def _local_draft_dir(text: str) -> Path | None:
@@ -97,35 +97,25 @@ def _download_registered(uri: str, cfg: RunConfig, destination: Path) -> Path:
     raise ValueError(f"{uri!r} resolved to {local}, which holds no draft directory (config.json + {WEIGHTS_NAME})")
 
 
-def lineage_problems(recorded: dict[str, Any], target: TargetAdapter) -> list[str]:
-    """How a draft's recorded target differs from ``target`` (empty when it fits)."""
+def lineage_problems(recorded: dict[str, Any], target: TargetAdapter | TargetIdentity) -> list[str]:
+    """How a draft's recorded target differs from ``target`` (empty when it fits): sizes, tokenizer,
+    chat template and identity (``pipeline.resources.identity``); the path or name it was loaded by
+    may differ."""
     actual = target_fingerprint(target)
-    problems = [
-        f"{key.replace('_', ' ')} {recorded.get(key)} != {actual[key]}"
-        for key in ("hidden_size", "vocab_size")
-        if recorded.get(key) != actual[key]
-    ]
-    if problems:  # another architecture: the hashes can only differ too
-        return problems
-    names = {
-        "target_weights_sha256": "target weights",
-        "tokenizer_sha256": "tokenizer",
-        "chat_template_sha256": "chat template",
-    }
-    return [
-        f"{names[key]} sha256 {str(actual[key])[:12]}… != {str(recorded.get(key))[:12]}… recorded at training"
-        for key in LINEAGE_KEYS
-        if recorded.get(key) != actual[key]
-    ]
+    return fingerprint_problems(recorded, actual, lambda: target.weights_sha256, LINEAGE_KEYS)
 
 
-def check_lineage(draft_dir: str | Path, target: TargetAdapter, source: str | None = None) -> None:
+def check_lineage(draft_dir: str | Path, target: TargetAdapter | TargetIdentity, source: str | None = None) -> None:
     """Refuse to pair a draft with a target other than the one it was trained for: hidden size,
     vocabulary, weights, tokenizer and chat template must all match what the draft recorded."""
     _, raw = read_draft_config(draft_dir)
     recorded = (raw.get("provenance") or {}).get("target")
     where = source or str(draft_dir)
-    if not isinstance(recorded, dict) or any(key not in recorded for key in LINEAGE_KEYS):
+    if (
+        not isinstance(recorded, dict)
+        or any(key not in recorded for key in LINEAGE_KEYS)
+        or not (FILES in recorded or WEIGHTS in recorded)
+    ):
         raise ValueError(
             f"draft {where} records no target fingerprint (provenance.target in its config.json), so "
             "its pairing with a target cannot be checked; save it with pipeline.resources.drafts.save_draft_with_lineage "

@@ -1,5 +1,6 @@
-"""The run's target: ``load_target(section)``, its fingerprint and feature layers, ``griffin assets``,
-and the tiny random target of the tests.
+"""The run's target: ``load_target(section)``, what a draft borrows of it (``load_target_parts``), its
+feature layers, ``griffin assets``, and the tiny random target of the tests (its fingerprint:
+``pipeline.resources.identity``).
 
 A ``target.tiny`` section builds a seeded random llama with a byte-level ChatML tokenizer
 (``build_tiny_target``), so every process (featurize actors, train workers, serve replicas) gets
@@ -8,7 +9,6 @@ bit-identical weights without any file or download.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import Any
@@ -159,34 +159,6 @@ def feature_layers(cfg: RunConfig, target: TargetAdapter) -> tuple[int, ...]:
             f"this target ({count} layers; 0 = the embeddings, {count} = the last layer)"
         )
     return layers
-
-
-def _sha256_text(text: str | None) -> str:
-    return hashlib.sha256((text or "").encode()).hexdigest()
-
-
-def target_fingerprint(target: TargetAdapter) -> dict[str, Any]:
-    """What a feature store and a draft must agree on with the target they are used with
-    (computed once per target object: the weights hash reads every tensor), plus ``target_revision``
-    when the target was loaded at a hub revision: lineage only, the hashes decide a match
-    (``pipeline.data.store.key_mismatches``), so stores and drafts made before revisions stay valid."""
-    cached = getattr(target, "_fingerprint", None)
-    if cached is not None:
-        return cached
-    tokenizer = target.tokenizer
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    target._fingerprint = {
-        "target_id": target.name,
-        "target_weights_sha256": target.weights_sha256,
-        "tokenizer_sha256": _sha256_text(repr(sorted(vocab.items()))),
-        "chat_template_sha256": _sha256_text(getattr(tokenizer, "chat_template", None)),
-        "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size,
-        "architecture": target.hf_config.model_type,
-    }
-    if getattr(target, "revision", None):
-        target._fingerprint["target_revision"] = target.revision
-    return target._fingerprint
 
 
 def run_assets(cfg: RunConfig) -> dict[str, Any]:

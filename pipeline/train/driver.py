@@ -42,7 +42,8 @@ from pipeline.train.feed import (
     stored_datasets,
 )
 from pipeline.resources.drafts import check_lineage, resolve_draft
-from pipeline.resources.targets import draft_feature_layers, load_target, target_fingerprint
+from pipeline.resources.identity import target_fingerprint, target_identity
+from pipeline.resources.targets import draft_feature_layers
 from pipeline.train.worker import SCORE, StageProgress, train_worker
 from pipeline.train.batches import held_out_ids, reduced_vocabulary, store_sample_ids, store_tokens
 
@@ -278,7 +279,8 @@ def _digest(value: Any) -> str:
 
 def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     """The feature store's sample ids, tokens and datasets, after checking it fits this target and draft."""
-    manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len)
+    weights = lambda: target.weights_sha256  # noqa: E731  (only for a store made before file digests)
+    manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len, weights)
     _check_store_layers(cfg, target, manifest)
     files, layers = part_files(cfg.store_path), bool(draft_feature_layers(cfg, target))
     sample_ids = store_sample_ids(cfg.store_path)
@@ -293,12 +295,12 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     }
 
 
-def _online_data(cfg: RunConfig) -> dict[str, Any]:
+def _online_data(cfg: RunConfig, target) -> dict[str, Any]:
     """The tokenized conversations' sample ids, tokens and datasets that featurize them as training
     reads them; the digest covers what a store's manifest would pin (capture key and sample ids)."""
     from pipeline.data.featurize import prepare_samples
 
-    key, samples, _ = prepare_samples(cfg)
+    key, samples, _ = prepare_samples(cfg, target)
     if not samples:
         raise ValueError("train.features=online: no conversation of the data selection could be used")
     tokens, layers = sum(len(s.input_ids) for s in samples), len(key.get("feature_layers", ()))
@@ -328,8 +330,8 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
     if stage is not None and stage not in [s.stage for s in schedule]:
         raise ValueError(f"stage {stage} is not in train.schedule (stages: {[s.stage for s in schedule]})")
     ensure_ray(cfg)
-    target = load_target(cfg.target)
-    data = _online_data(cfg) if cfg.train.features == "online" else _stored_data(cfg, target)
+    target = target_identity(cfg.target)  # config, tokenizer, shapes, fingerprint: no weights on the driver
+    data = _online_data(cfg, target) if cfg.train.features == "online" else _stored_data(cfg, target)
     eval_ids = held_out_ids(data["sample_ids"], cfg.train.eval_fraction)
     d2t = None
     if cfg.draft.draft_vocab_size:

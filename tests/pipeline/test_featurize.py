@@ -17,7 +17,8 @@ from pipeline.data.featurize import FAULT_ENV, Featurizer, run_featurize
 from pipeline.data.layout import part_index
 from pipeline.data.parts import KILL_ENV
 from pipeline.data.sources import Conversation, build_sample, clean_messages, record_id
-from pipeline.resources.targets import load_target, target_fingerprint
+from pipeline.resources.identity import target_fingerprint
+from pipeline.resources.targets import load_target
 from tests.griffin.test_assets import require_asset
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
@@ -170,8 +171,11 @@ def test_save_to_disk_source_resumes_the_jsonl_store(featurized, tmp_path):
 def test_other_capture_key_is_refused(featurized, data):
     cfg, _, _ = featurized
     other = load_target(config("x", data, "target.tiny.hidden_size=32", "target.tiny.intermediate_size=64").target)
-    with pytest.raises(ValueError, match="does not match this target: target_weights_sha256: store has"):
+    with pytest.raises(ValueError, match="does not match this target: hidden_size: store has 64, expected 32"):
         st.check_capture_key(cfg.store_path, target_fingerprint(other))
+    same_shapes = load_target(config("x", data, "target.tiny.num_hidden_layers=1").target)  # other weights
+    with pytest.raises(ValueError, match="does not match this target: target_weights_sha256: store has"):
+        st.check_capture_key(cfg.store_path, target_fingerprint(same_shapes))
     with pytest.raises(ValueError, match="max_len: store has 128, expected 64"):
         st.check_capture_key(cfg.store_path, target_fingerprint(load_target(cfg.target)), max_len=64)
     with pytest.raises(ValueError, match="captured differently .*dtype: store has 'bf16', expected 'fp8'"):

@@ -19,7 +19,8 @@ from griffin.checkpoint import save_draft
 from pipeline.registry import register as registry
 from pipeline.config import load_config
 from pipeline.resources import drafts
-from pipeline.resources.targets import load_target, target_fingerprint
+from pipeline.resources.identity import target_fingerprint
+from pipeline.resources.targets import load_target
 from pipeline.resources.targets import build_tiny_target
 from tests.conftest import free_port, make_target
 
@@ -239,12 +240,12 @@ def test_wrong_target_refused(store, target, tmp_path):
     registry.register(cfg, tmp_path / "d")
     other = build_tiny_target(dict(cfg.target.tiny), torch.float32, seed=1)
     before = downloads(cfg)
-    with pytest.raises(ValueError, match="target weights sha256"):
+    with pytest.raises(ValueError, match="target_weights_sha256: recorded"):
         drafts.load_draft_uri("models:/lineage-refuse@candidate", other, cfg)
     assert downloads(cfg) == before  # refused, and removed all the same
-    with pytest.raises(ValueError, match="target weights sha256"):
+    with pytest.raises(ValueError, match="target_weights_sha256: recorded"):
         drafts.load_draft_uri(tmp_path / "d", other, cfg)
-    with pytest.raises(ValueError, match="vocab size"):
+    with pytest.raises(ValueError, match="vocab_size: recorded"):
         drafts.load_draft_uri(tmp_path / "d", make_target("llama"), cfg)
     with pytest.raises(ValueError, match="cannot resolve"):
         drafts.load_draft_uri("models:/lineage-refuse@champion", target, cfg)
@@ -252,7 +253,7 @@ def test_wrong_target_refused(store, target, tmp_path):
     target._fingerprint = None  # the fingerprint is computed once per target object
     try:
         for uri in ("models:/lineage-refuse@candidate", tmp_path / "d"):
-            with pytest.raises(ValueError, match="chat template sha256") as refused:
+            with pytest.raises(ValueError, match="chat_template_sha256: recorded") as refused:
                 drafts.load_draft_uri(uri, target, cfg)
             assert "tokenizer" not in str(refused.value) and "target weights" not in str(refused.value)
     finally:

@@ -66,7 +66,7 @@ def test_directory_draft_round_trip_and_refusals(cfg, target, tmp_path):
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     config["provenance"]["target"]["tokenizer_sha256"] = "0" * 64
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"does not fit target 'tiny-llama': tokenizer sha256"):
+    with pytest.raises(ValueError, match=r"does not fit target 'tiny-llama': tokenizer_sha256: recorded"):
         drafts.load_draft_uri(tmp_path / "ok", target, cfg)
     with pytest.raises(FileNotFoundError, match="neither a directory"):
         drafts.load_draft_uri("no-such-draft", target, cfg)

@@ -19,7 +19,7 @@ from pipeline.data.regenerate import capture_key
 from pipeline.data.sources import Ledger, iter_records
 from pipeline.data.store import check_capture_key, key_mismatches
 from pipeline.registry.register import lineage_tags
-from pipeline.resources import drafts, targets
+from pipeline.resources import drafts, identity, targets
 
 TINY = "jobs/configs/tiny.yaml"
 
@@ -79,8 +79,8 @@ def test_target_revision_reaches_from_pretrained_and_lineage(tmp_path, monkeypat
     loaded = targets.load_target(section.model_copy(update={"revision": "v1"}))
     assert loaded.weights_sha256 == v1.weights_sha256 != main.weights_sha256  # v1's weights, not main's
     assert targets.load_target(section).weights_sha256 == main.weights_sha256
-    fingerprint = targets.target_fingerprint(loaded)
-    assert fingerprint["target_revision"] == "v1" and "target_revision" not in targets.target_fingerprint(main)
+    fingerprint = identity.target_fingerprint(loaded)
+    assert fingerprint["target_revision"] == "v1" and "target_revision" not in identity.target_fingerprint(main)
 
     # a store captured before revisions were recorded still matches: the revision is lineage, not key
     before = {k: v for k, v in fingerprint.items() if k != "target_revision"}

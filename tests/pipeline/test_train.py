@@ -295,7 +295,7 @@ def test_init_from_must_be_a_draft_of_the_same_variant_and_target(tmp_path):
     )
     assert _checked_init(good, target) == str(Path(eagle).resolve())
     other = load_target(load_config("jobs/configs/tiny.yaml", ["target.tiny.num_hidden_layers=1"]).target)
-    with pytest.raises(ValueError, match="target weights sha256"):
+    with pytest.raises(ValueError, match="target_weights_sha256: recorded"):
         _checked_init(good, other)
 
 
