@@ -178,6 +178,13 @@ class TrainSection(Section):
     eval_steps: int = Field(default=5, ge=1, description="draft steps k of eval/acc_k")
     eval_every: int = Field(default=50, ge=1)
     checkpoint_every: int = Field(default=50, ge=1)
+    preemption_check_every: int = Field(
+        default=10,
+        ge=0,
+        description="steps between asks for Ray Train's preemption notice (a drained node), which saves a "
+        "checkpoint at once; each ask is a collective (~8 ms at 2 ranks on CPU) and Ray polls drains every "
+        "5 s; 0: never ask",
+    )
     num_to_keep: int = Field(default=2, ge=1)
     max_failures: int = Field(
         default=2, ge=-1, description="worker-group restarts after a crash (-1: no limit); preemptions are not counted"
@@ -188,6 +195,9 @@ class TrainSection(Section):
     seed: int = 0
     debug_fail_at_step: int | None = Field(default=None, ge=1, description="testing hook: raise at this step")
     debug_fail_times: int = Field(default=1, ge=1, description="testing hook: on this many arrivals at the step")
+    debug_drain_at_step: int | None = Field(
+        default=None, ge=1, description="testing hook: drain rank 0's node (a real preemption notice) at this step"
+    )
 
 
 class TrackingSection(Section):

@@ -38,6 +38,7 @@ from pipeline.resources.targets import load_target_parts
 from pipeline.data.store import table_rows
 from pipeline.train import failures
 from pipeline.train.batches import ShardFeed, feed_batch, shifted_batches
+from pipeline.train.preemption import PreemptionWatch
 
 SCORE = "eval/sim_accept_len"
 
@@ -267,6 +268,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
+    preemption = PreemptionWatch(cfg.train.preemption_check_every, cfg.train.debug_drain_at_step, rank)
     started, tokens_done, first_step = time.time(), 0.0, step
 
     while step < stage.steps:
@@ -281,13 +283,18 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
         if cfg.train.debug_fail_at_step == step and failures.injected(fail_marker, cfg.train.debug_fail_times):
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
         report = {f"train/{k}": v for k, v in metrics.items()}
-        do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps
+        notice = preemption.due(step)  # a node of this group is about to go: save now (pipeline.train.preemption)
+        do_ckpt = step % cfg.train.checkpoint_every == 0 or step == stage.steps or notice is not None
         if do_ckpt or step % cfg.train.eval_every == 0:
             report.update(_evaluate(draft, eval_set, cfg, world, bf16))
         if rank == 0:
             rate = tokens_done / max(time.time() - started, 1e-9)
             eta = (time.time() - started) / (step - first_step) * (stage.steps - step)
             _report_rank0(config, client, stage, step, report, rate, eta)
+            if notice is not None:
+                print(
+                    f"[train stage {stage.stage}] preemption notice ({notice}): checkpoint at step {step}", flush=True
+                )
         if do_ckpt:
             with tempfile.TemporaryDirectory() as tmp:
                 provenance = {**config["provenance"], "step": step, "metrics": report}

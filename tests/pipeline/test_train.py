@@ -35,24 +35,25 @@ def store(tmp_path_factory, ray_local):
     return root, data, cfg.store_path
 
 
-def train_cfg(store, name, *overrides):
+def train_overrides(store, name, *overrides) -> list[str]:
     root, data, store_path = store
-    return load_config(
-        "jobs/configs/tiny.yaml",
-        [
-            f"output_dir={root}",
-            f"run_name={name}",
-            f"data.source={data}",
-            f"features.store={store_path}",
-            "train.num_workers=2",
-            "train.method.warmup_steps=0",
-            "train.eval_fraction=0.2",
-            "train.checkpoint_every=2",
-            "train.eval_every=2",
-            "train.batch_tokens=512",
-            *overrides,
-        ],
-    )
+    return [
+        f"output_dir={root}",
+        f"run_name={name}",
+        f"data.source={data}",
+        f"features.store={store_path}",
+        "train.num_workers=2",
+        "train.method.warmup_steps=0",
+        "train.eval_fraction=0.2",
+        "train.checkpoint_every=2",
+        "train.eval_every=2",
+        "train.batch_tokens=512",
+        *overrides,
+    ]
+
+
+def train_cfg(store, name, *overrides):
+    return load_config("jobs/configs/tiny.yaml", train_overrides(store, name, *overrides))
 
 
 def final_weights(cfg, stage=1):
@@ -215,6 +216,38 @@ def test_the_same_crash_in_a_row_stops_unlimited_restarts(store):
     fixed = train_cfg(store, "same-crash", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]", "train.max_failures=-1")
     run_train(fixed)
     assert (stage_dir(fixed, 1) / "_complete.json").exists() and failures.read(stage_dir(fixed, 1)) is None
+
+
+@pytest.mark.timeout(600)
+def test_a_preemption_notice_saves_a_checkpoint_at_once(store, tmp_path):
+    """A real drain of the workers' node (Ray's preemption notice) mid-stage: the stage saves a
+    checkpoint at that step although ``checkpoint_every`` would save none before the end, so a restart
+    would lose no step, and the stage still finishes. Its own Ray (a drained node takes no new work):
+    ``griffin train`` in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    schedule = "train.schedule=[{stage: 1, steps: 6, lr: 0.002}]"
+    overrides = train_overrides(store, "drained", schedule, "train.checkpoint_every=100", "train.debug_drain_at_step=3")
+    overrides.append("train.preemption_check_every=1")
+    cfg = load_config("jobs/configs/tiny.yaml", overrides)
+    env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", "-c", "jobs/configs/tiny.yaml", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "preemption notice" in run.stdout + run.stderr and "checkpoint at step 3" in run.stdout + run.stderr
+    run_dir = cfg.run_dir / "ray_train" / "drained-stage1"
+    saved = [p / "train_state.pt" for p in run_dir.glob("checkpoint_*") if p.is_dir()]
+    steps = sorted(torch.load(p, weights_only=True)["step"] for p in saved)
+    assert steps == [3, 6]  # the notice's checkpoint, then the stage's last
+    assert (stage_dir(cfg, 1) / "_complete.json").exists()
 
 
 def test_rerun_skips_completed_stages(schedule_run, capsys):
