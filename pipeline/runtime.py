@@ -32,7 +32,7 @@ def ensure_ray(cfg: RunConfig) -> None:
         return
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg)
     # a `ray job submit` driver already runs inside the job's runtime_env; passing one again conflicts
     in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
     runtime_env = None if in_job else (dict(cfg.cluster.runtime_env) or None)
@@ -56,6 +56,12 @@ def ensure_ray(cfg: RunConfig) -> None:
         runtime_env={**(runtime_env or {}), "env_vars": env_vars},
         log_to_driver=True,
     )
+
+
+def cluster_address(cfg: RunConfig) -> str | None:
+    """The Ray cluster to join: ``cluster.address``, else ``$RAY_ADDRESS`` (a submitted job's); None: a
+    local Ray, which cannot grow."""
+    return cfg.cluster.address or os.environ.get("RAY_ADDRESS")
 
 
 def free_port() -> int:

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 KILL_ENV = "GRIFFIN_PART_KILL_ONCE"  # fault injection for tests: a flag file; see PartActor.written
 
+ACTOR_START_S = 600  # the longest wait for a pool's actors to start (a cluster growing, a target loading)
+
 
 class PartActor:
     """What every part-writing actor does around its own work: refuse a worker whose target differs from
@@ -132,12 +134,6 @@ def run_part_actors(
     """A Ray Data pool of ``features.num_actors`` ``actor``s (featurize's resources) writes one part
     per call; the driver records each finished part (``entry`` JSON: ``part``, ``skipped``) in
     ``location``'s manifest as it arrives, so a kill loses no finished part (featurize, regenerate)."""
-    import ray
-
-    # Start every actor before handing out parts: otherwise the first actor up (a target load takes
-    # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
-    # hanging, when the cluster cannot place the pool.
-    ray.data.DataContext.get_current().wait_for_min_actors_s = 600
     dataset = part_actor_dataset(cfg, actor, parts, constructor_kwargs)
     try:
         for row in dataset.iter_rows():
@@ -161,6 +157,10 @@ def part_actor_dataset(cfg: RunConfig, actor: type, parts: list[dict], construct
     of its own wherever the result goes)."""
     import ray
 
+    # Start every actor before handing out parts: otherwise the first actor up (a target load takes
+    # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
+    # hanging, when the cluster cannot place the pool (featurize, regenerate, online training alike).
+    ray.data.DataContext.get_current().wait_for_min_actors_s = ACTOR_START_S
     return ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
         actor,
         batch_size=1,

@@ -29,11 +29,13 @@ from griffin.model import GriffinDraft
 from pipeline.config import RunConfig, StageSection
 from pipeline.console import Progress, say
 from pipeline.files import atomic_write_json, atomic_write_text, read_marker
-from pipeline.runtime import ensure_ray, feature_dataset, recorded_run, setup_mlflow
+from pipeline.runtime import cluster_address, ensure_ray, feature_dataset, recorded_run, setup_mlflow
 from pipeline.data.integrity import require_unique_ids
 from pipeline.data.store import check_capture_key, part_files
 from pipeline.train import failures
+from pipeline.data.parts import ACTOR_START_S
 from pipeline.train.feed import (
+    check_online_fits,
     data_config,
     estimated_bytes,
     materialize,
@@ -317,6 +319,8 @@ def _datasets(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[
     """The stages' ``train`` and ``eval`` datasets, materialized when ``train.materialize`` says so
     (``pipeline.train.feed``): built when the first stage to run starts, so that a rerun whose stages
     are all complete reads nothing."""
+    if cfg.train.features == "online":  # never workers waiting on feature actors that cannot start
+        check_online_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
     datasets = data["datasets"](eval_ids)
     if not should_materialize(cfg.train.materialize, data["bytes"]):
         return datasets

@@ -105,6 +105,55 @@ def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids
     return {"train": dataset(False), **({"eval": dataset(True)} if eval_ids else {})}
 
 
+def online_needs(cfg: RunConfig) -> dict[str, float]:
+    """The CPUs and GPUs an online stage holds at once: the training workers and the feature actors."""
+    workers, actors = cfg.train.num_workers, cfg.features.num_actors
+    return {
+        "CPU": workers * cfg.train.cpus_per_worker + actors * cfg.features.cpus_per_actor,
+        "GPU": workers * float(cfg.train.use_gpu) + actors * cfg.features.gpus_per_actor,
+    }
+
+
+def check_online_fits(cfg: RunConfig, wait_s: float) -> None:
+    """Refuse an online stage the cluster cannot hold at once (its workers would wait for feature actors
+    that never start), after asking the autoscaler for it (a no-op without one) and waiting up to
+    ``wait_s`` for the cluster to grow."""
+    import time
+
+    import ray
+    from ray.autoscaler.sdk import request_resources
+
+    worker = {"CPU": cfg.train.cpus_per_worker, **({"GPU": 1.0} if cfg.train.use_gpu else {})}
+    actor = {
+        "CPU": cfg.features.cpus_per_actor,
+        **({"GPU": cfg.features.gpus_per_actor} if cfg.features.gpus_per_actor else {}),
+    }
+    request_resources(bundles=[worker] * cfg.train.num_workers + [actor] * cfg.features.num_actors)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            have = ray.cluster_resources()
+            short = {k: (n, have.get(k, 0.0)) for k, n in online_needs(cfg).items() if n > have.get(k, 0.0)}
+            if not short:
+                return
+            if time.monotonic() >= deadline:
+                raise ValueError(_too_small(cfg, short))
+            time.sleep(5.0)
+    finally:
+        request_resources(bundles=[])  # the request was for this check: the stage's tasks ask for what they use
+
+
+def _too_small(cfg: RunConfig, short: dict[str, tuple[float, float]]) -> str:
+    return (
+        "train.features=online holds the training workers and the feature actors at once: "
+        + "; ".join(f"{n:g} {k} needed, the cluster has {have:g}" for k, (n, have) in short.items())
+        + f" (train.num_workers={cfg.train.num_workers}, train.cpus_per_worker={cfg.train.cpus_per_worker:g}, "
+        f"train.use_gpu={cfg.train.use_gpu}; features.num_actors={cfg.features.num_actors}, features."
+        f"cpus_per_actor={cfg.features.cpus_per_actor:g}, features.gpus_per_actor={cfg.features.gpus_per_actor:g}). "
+        "Lower them, grow the cluster, or featurize a store first (`griffin featurize`, then train.features=offline)"
+    )
+
+
 def estimated_bytes(tokens: int, hidden_size: int, dtype: str, layers: int) -> int:
     """The in-memory size of ``tokens`` positions of the columns training reads: ids (int32) and mask
     (uint8), then H values per feature vector (the final feature and each of ``layers`` feature
