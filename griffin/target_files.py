@@ -110,13 +110,18 @@ def _hub_etag(repo: str, name: str, revision: str | None) -> str | None:
         return None
 
 
-def _content_sha256(file: Path) -> str:
-    """sha256 of a local file's bytes, read once per (path, size, mtime) on this machine."""
+def digest_cache() -> Path:
+    """Where local files' digests are kept: ``<cache>/file-digests``, one small file each."""
     from griffin.assets import default_cache_dir
 
+    return default_cache_dir() / "file-digests"
+
+
+def _content_sha256(file: Path) -> str:
+    """sha256 of a local file's bytes, read once per (path, size, mtime) on this machine."""
     stat = file.stat()
     key = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    memo = default_cache_dir() / "file-digests" / hashlib.sha256(key.encode()).hexdigest()
+    memo = digest_cache() / hashlib.sha256(key.encode()).hexdigest()
     try:
         return memo.read_text().strip()
     except OSError:

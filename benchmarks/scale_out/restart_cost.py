@@ -1,4 +1,4 @@
-"""What a training worker reads of the target, and how long it takes, against loading the whole target.
+"""What a training worker and the driver read of the target, against loading the whole target.
 
 A Ray Train worker borrows the target's embedding and LM head (and ``draft.init_layer``'s layer): it
 reads them by name from the weight files (``pipeline.resources.targets.load_target_parts``), where it
@@ -64,12 +64,43 @@ def measure(repeats: int) -> dict:
     }
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def driver_reads() -> dict:
+    """What a training driver reads of the target's weight files to name it and check stores and
+    drafts (``pipeline.resources.identity``): the first time on a machine (the files are hashed once)
+    and after (the digests are kept); counted by an audit hook on every file the process opens."""
+    import os
+    import sys
+    import tempfile
+
+    from griffin import target_files
+    from pipeline.config import load_config
+    from pipeline.resources.identity import target_fingerprint, target_identity
+
+    opened: list[str] = []
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args else None)
+    section = load_config(CONFIG).target
+    reads = {}
+    target_identity(section)  # the asset is prepared once per machine, before anything is counted
+    with tempfile.TemporaryDirectory() as cache:
+        target_files.digest_cache = lambda: Path(cache)  # no digest known yet: the first time on a machine
+        for when in ("first_time", "after"):
+            opened.clear()
+            target_fingerprint(target_identity(section))
+            weights = {f for f in opened if f.endswith(WEIGHT_SUFFIXES)}
+            reads[when] = {"weight_files_opened": len(weights), "bytes": sum(os.path.getsize(f) for f in weights)}
+    return reads
+
+
 def write(result: dict) -> None:
     measured = result["measured"]
     ratio = measured["target_bytes_per_worker"] / measured["embed_head_bytes"]
+    driver = measured["driver_target_bytes"]
     result["goals"] = {
         "target_bytes_per_worker <= 1.1 x embed_head_bytes": {"met": ratio <= 1.1, "ratio": round(ratio, 4)},
-        "driver_target_bytes == 0": {"met": False, "value": "the driver still loads the whole target"},
+        "driver_target_bytes == 0": {"met": driver["after"]["bytes"] == 0, "value": driver},
     }
     (HERE / "restart_cost.json").write_text(json.dumps(result, indent=2) + "\n")
     m = measured
@@ -87,9 +118,16 @@ def write(result: dict) -> None:
         f"| {m['median_s']['parts_with_layer']} |",
         f"| it used to read: the whole target's files | {m['whole_target_file_bytes']:,} "
         f"| {m['median_s']['whole_target']} |",
+        f"| the driver reads, to name the target: the first time on a machine (files hashed once) "
+        f"| {driver['first_time']['bytes']:,} | |",
+        f"| ... after (digests kept; a hub target: never, its LFS files are named by their sha256) "
+        f"| {driver['after']['bytes']:,} | |",
         "",
         f"Goal target bytes per worker <= 1.1 x embedding + head: **met** ({ratio:.3f}x). "
-        "Driver target bytes 0: **missed** (the driver still loads the target for fingerprints and lineage).",
+        f"Driver target bytes 0: **{'met' if driver['after']['bytes'] == 0 else 'missed'}** "
+        f"({driver['after']['bytes']} bytes once the digests are known; {driver['first_time']['bytes']:,} the first "
+        "time a local target is named on a machine: read to hash, never loaded). Before, the driver loaded the "
+        "whole target for every stage.",
         "",
     ]
     (HERE / "restart_cost.md").write_text("\n".join(lines))
@@ -115,13 +153,15 @@ if __name__ == "__main__":
             "date": datetime.date.today().isoformat(),
             "machine": f"{machine}, {torch.get_num_threads()} threads, torch {torch.__version__}",
             "command": f"python benchmarks/scale_out/restart_cost.py --repeats {args.repeats}",
-            "measured": measure(args.repeats),
+            "measured": {**measure(args.repeats), "driver_target_bytes": driver_reads()},
             "not_measured": {
                 "eval_bytes_per_stage": "held-out rows are still chosen by hash in every part (a full store scan)",
                 "resume_reread_bytes": "a mid-epoch resume still re-reads the rows before its position",
                 "online_target_loads_per_stage": "each epoch is still a new Ray Data execution",
                 "epoch_start_s": "as in benchmarks/training/epoch_start.md",
-                "steps_lost_on_kill": "no preemption checkpoint yet",
+                "steps_lost_on_kill": "not measured by a kill here (a drained node takes no new work on a one-node "
+                "cluster); tests/pipeline/test_train.py shows 0 with a preemption notice (a checkpoint at the "
+                "notice's step) and the steps since the last checkpoint without one",
             },
         }
     )

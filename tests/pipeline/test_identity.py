@@ -63,7 +63,7 @@ def test_a_local_file_is_hashed_once_per_machine(saved):
     weights = Path(path) / "model.safetensors"
     truth = hashlib.sha256(weights.read_bytes()).hexdigest()
     assert target_files.file_sha256(path, "model.safetensors") == truth
-    (memo,) = [p for p in (Path(path).parent / "cache" / "file-digests").iterdir() if p.read_text() == truth]
+    (memo,) = [p for p in target_files.digest_cache().iterdir() if p.read_text() == truth]
     memo.write_text("f" * 64)  # the memo, not the file, answers the next time
     assert target_files.file_sha256(path, "model.safetensors") == "f" * 64
     weights.write_bytes(weights.read_bytes())  # a rewritten file (new mtime) is hashed again
