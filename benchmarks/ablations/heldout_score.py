@@ -36,7 +36,8 @@ from griffin.checkpoint import load_draft  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.resources.targets import load_target  # noqa: E402
 from pipeline.data.store import pad_batches, part_files  # noqa: E402
-from pipeline.train.batches import eval_split, split_rows  # noqa: E402
+from pipeline.data.heldout import eval_split  # noqa: E402
+from pipeline.train.batches import split_rows  # noqa: E402
 
 CONFIG = ROOT / "jobs" / "configs" / "smollm2-long.yaml"
 STEPS = 5

@@ -320,7 +320,7 @@ def main() -> None:
     from pipeline.config import load_config
     from pipeline.data.featurize import run_featurize
     from pipeline.data.store import part_files, read_manifest
-    from pipeline.train.batches import held_out_ids
+    from pipeline.data.heldout import held_out_ids
     from pipeline.train.driver import run_train
 
     shutil.rmtree(args.work, ignore_errors=True)

@@ -27,11 +27,13 @@ def read_parquet_datasets(files: list[str], eval_ids: set[str]) -> dict:
     """The train and held-out datasets as they were built before ``parts_dataset``."""
     import ray
 
-    from pipeline.train.feed import _split, feature_columns
+    from pipeline.train.feed import _filtered, feature_columns
 
-    return _split(
-        ray.data.read_parquet(files, columns=feature_columns("bf16", False), override_num_blocks=len(files)), eval_ids
-    )
+    base = ray.data.read_parquet(files, columns=feature_columns("bf16", False), override_num_blocks=len(files))
+    return {
+        "train": _filtered(base, sorted(eval_ids), keep=False),
+        "eval": _filtered(base, sorted(eval_ids), keep=True),
+    }
 
 
 def epochs(dataset, count: int = 3) -> tuple[list[float], list[list[list[str]]]]:
@@ -53,7 +55,7 @@ def epochs(dataset, count: int = 3) -> tuple[list[float], list[list[list[str]]]]
     return seconds, seen
 
 
-def measure(files: list[str], eval_ids: set[str]) -> dict:
+def measure(part_ids: dict[str, list[str]], eval_ids: set[str]) -> dict:
     from pipeline.train.feed import materialize, stored_datasets
 
     runs: dict[str, list[dict]] = {"read_parquet": [], "parts_dataset": [], "materialized": []}
@@ -62,9 +64,9 @@ def measure(files: list[str], eval_ids: set[str]) -> dict:
         for way in runs:
             start = time.perf_counter()
             if way == "read_parquet":
-                datasets = read_parquet_datasets(files, eval_ids)
+                datasets = read_parquet_datasets(list(part_ids), eval_ids)
             else:
-                datasets = stored_datasets(files, "bf16", False, eval_ids)
+                datasets = stored_datasets(part_ids, "bf16", False, eval_ids)
                 datasets = materialize(datasets) if way == "materialized" else datasets
             built = round(time.perf_counter() - start, 2)
             seconds, seen = epochs(datasets["train"])
@@ -80,16 +82,18 @@ def main() -> None:
     args = parser.parse_args()
     from pipeline.config import load_config
     from pipeline.data.featurize import run_featurize
-    from pipeline.data.store import part_files, read_manifest
+    from pipeline.data.heldout import held_out_ids, store_part_ids
+    from pipeline.data.store import read_manifest
     from pipeline.runtime import ensure_ray
-    from pipeline.train.batches import eval_split
 
     cfg = load_config(ROOT / "jobs/configs/tiny.yaml", [f"output_dir={args.out}", f"data.limit={args.limit}"])
     ensure_ray(cfg)
     if not Path(cfg.store_path, "_manifest.json").is_file() or not read_manifest(cfg.store_path)["complete"]:
         run_featurize(cfg)
-    files, eval_ids = part_files(cfg.store_path), eval_split(cfg.store_path, cfg.train.eval_fraction)
-    runs = measure(files, eval_ids)
+    part_ids = store_part_ids(cfg.store_path)
+    files = list(part_ids)
+    eval_ids = held_out_ids([i for ids in part_ids.values() for i in ids], cfg.train.eval_fraction)
+    runs = measure(part_ids, eval_ids)
     out = Path(__file__).parent
     (out / "epoch_start.json").write_text(json.dumps({"parts": len(files), "runs": runs}, indent=2))
     lines = [

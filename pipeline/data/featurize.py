@@ -26,6 +26,7 @@ from griffin.target import TargetAdapter
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
+from pipeline.data.heldout import held_out_ids
 from pipeline.data.integrity import repair_command, repair_store, verify_store
 from pipeline.data.layout import next_index
 from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
@@ -208,12 +209,24 @@ def featurize_part(featurizer: Featurizer, part: dict[str, np.ndarray], dtype: s
     return table, rows
 
 
-def group_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0) -> list[list[Sample]]:
+def group_parts(
+    samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0, heldout: set[str] | None = None
+) -> list[list[Sample]]:
     """Length-sorted runs of samples (little padding), each at most ``file_rows`` rows and
     ``PART_BYTES`` of features, and at least ``PARTS_PER_ACTOR`` per actor, so every actor gets
-    work, progress shows often and a kill loses little. Parts go out in a seeded random order:
-    readers stream files in name order (= order written), and a longest-first order would feed
-    training long conversations first and short ones last. ``layers``: feature layers per token."""
+    work, progress shows often and a kill loses little; the ``heldout`` samples (training's held-out
+    set, ``pipeline.data.heldout``) in runs of their own, so that training reads them apart. Parts go
+    out in a seeded random order: readers stream files in name order (= order written), and a
+    longest-first order would feed training long conversations first and short ones last.
+    ``layers``: feature layers per token."""
+    heldout = heldout or set()
+    parts = _runs([s for s in samples if s.sample_id not in heldout], cfg, hidden_size, layers)
+    parts += _runs([s for s in samples if s.sample_id in heldout], cfg, hidden_size, layers)
+    order = np.random.default_rng(cfg.data.shuffle_seed or 0).permutation(len(parts))
+    return [parts[i] for i in order]
+
+
+def _runs(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int) -> list[list[Sample]]:
     bytes_per_token = hidden_size * (1 + layers) * (2 if cfg.features.dtype == "bf16" else 1)
     share = math.ceil(len(samples) / (PARTS_PER_ACTOR * cfg.features.num_actors))
     max_rows = min(cfg.features.file_rows, max(1, share))
@@ -225,9 +238,7 @@ def group_parts(samples: list[Sample], cfg: RunConfig, hidden_size: int, layers:
             current, tokens = [], 0
         current.append(sample)
         tokens += len(sample.input_ids)
-    parts += [current] if current else []
-    order = np.random.default_rng(cfg.data.shuffle_seed or 0).permutation(len(parts))
-    return [parts[i] for i in order]
+    return parts + ([current] if current else [])
 
 
 def pack_part(part: list[Sample], index: int = 0) -> dict[str, Any]:
@@ -243,11 +254,17 @@ def pack_part(part: list[Sample], index: int = 0) -> dict[str, Any]:
 
 
 def plan_parts(
-    samples: list[Sample], cfg: RunConfig, hidden_size: int, layers: int = 0, first: int = 0
+    samples: list[Sample],
+    cfg: RunConfig,
+    hidden_size: int,
+    layers: int = 0,
+    first: int = 0,
+    heldout: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """``group_parts``, packed for the actors, with plan indices from ``first`` (past the parts a
     resumed store already holds: ``next_index``)."""
-    return [pack_part(part, first + i) for i, part in enumerate(group_parts(samples, cfg, hidden_size, layers))]
+    groups = group_parts(samples, cfg, hidden_size, layers, heldout)
+    return [pack_part(part, first + i) for i, part in enumerate(groups)]
 
 
 def capture_key(cfg: RunConfig, target) -> dict[str, Any]:
@@ -359,7 +376,8 @@ def _featurize_store(cfg: RunConfig) -> dict[str, Any]:
     progress = PartProgress("featurize", len(todo), sum(len(s.input_ids) for s in todo))
     if todo:
         layers = len(key.get("feature_layers", ()))
-        parts = plan_parts(todo, cfg, key["hidden_size"], layers, next_index(manifest["files"]))
+        heldout = held_out_ids([s.sample_id for s in samples], cfg.train.eval_fraction)  # of all, not just todo
+        parts = plan_parts(todo, cfg, key["hidden_size"], layers, next_index(manifest["files"]), heldout)
         _featurize_parts(cfg, parts, key, manifest, progress)
     manifest["complete"] = progress.rows == len(todo)  # every selected sample is in a part or the ledger
     write_manifest(cfg.store_path, manifest)

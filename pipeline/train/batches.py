@@ -18,8 +18,6 @@ shard into micro-batches:
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -33,29 +31,6 @@ from griffin.losses import ShiftedBatch, shift_batch
 from pipeline.data.store import iter_rows, pad_batches, part_files, table_rows
 
 SHUFFLE_WINDOW = 256
-
-
-def _hash(sample_id: str) -> int:
-    return int(hashlib.sha256(str(sample_id).encode()).hexdigest()[:12], 16)
-
-
-def held_out_ids(ids: list[str], fraction: float) -> set[str]:
-    """Held-out sample ids: the ``ceil(fraction * n)`` ids with the smallest hash (stable as the data
-    grows, never empty when fraction > 0, never all of them)."""
-    if fraction <= 0 or not ids:
-        return set()
-    n_eval = min(len(ids) - 1, max(1, math.ceil(fraction * len(ids))))
-    return set(sorted(ids, key=_hash)[:n_eval])
-
-
-def store_sample_ids(store: str) -> list[str]:
-    """The sample ids of a feature store's rows (reads only that column)."""
-    return [sid for f in part_files(store) for sid in pq.read_table(f, columns=["sample_id"]).column(0).to_pylist()]
-
-
-def eval_split(store: str, fraction: float) -> set[str]:
-    """``held_out_ids`` of a feature store's rows."""
-    return held_out_ids(store_sample_ids(store), fraction)
 
 
 def store_tokens(store: str) -> Iterator[tuple[str, list[int], list[int]]]:

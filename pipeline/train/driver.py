@@ -31,7 +31,7 @@ from pipeline.console import Progress, say
 from pipeline.files import atomic_write_json, atomic_write_text, read_marker
 from pipeline.runtime import cluster_address, ensure_ray, feature_dataset, recorded_run, setup_mlflow
 from pipeline.data.integrity import require_unique_ids
-from pipeline.data.store import check_capture_key, part_files
+from pipeline.data.store import check_capture_key
 from pipeline.train import failures
 from pipeline.data.parts import ACTOR_START_S
 from pipeline.train.feed import (
@@ -47,7 +47,8 @@ from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.identity import target_fingerprint, target_identity
 from pipeline.resources.targets import draft_feature_layers
 from pipeline.train.worker import SCORE, StageProgress, train_worker
-from pipeline.train.batches import held_out_ids, reduced_vocabulary, store_sample_ids, store_tokens
+from pipeline.data.heldout import held_out_ids, store_part_ids
+from pipeline.train.batches import reduced_vocabulary, store_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -284,14 +285,14 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     weights = lambda: target.weights_sha256  # noqa: E731  (only for a store made before file digests)
     manifest = check_capture_key(cfg.store_path, target_fingerprint(target), cfg.data.max_len, weights)
     _check_store_layers(cfg, target, manifest)
-    files, layers = part_files(cfg.store_path), bool(draft_feature_layers(cfg, target))
-    sample_ids = store_sample_ids(cfg.store_path)
+    part_ids, layers = store_part_ids(cfg.store_path), bool(draft_feature_layers(cfg, target))
+    sample_ids = [sid for ids in part_ids.values() for sid in ids]
     require_unique_ids(cfg.store_path, sample_ids)  # a repeated row would be trained on twice
     key, tokens = manifest["capture_key"], sum(f["tokens"] for f in manifest["files"])
     return {
         "sample_ids": sample_ids,
         "tokens": lambda: store_tokens(cfg.store_path),
-        "datasets": lambda eval_ids: stored_datasets(files, key["dtype"], layers, eval_ids),
+        "datasets": lambda eval_ids: stored_datasets(part_ids, key["dtype"], layers, eval_ids),
         "bytes": estimated_bytes(tokens, key["hidden_size"], key["dtype"], len(draft_feature_layers(cfg, target))),
         "sha256": _digest(manifest),
     }

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import RunConfig
+from pipeline.data.heldout import heldout_parts
 from pipeline.data.layout import parts_dataset
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
@@ -67,18 +68,20 @@ def reblock(dataset):
     return dataset.repartition(target_num_rows_per_block=ROWS_PER_BLOCK, strict=True)
 
 
-def _split(base, eval_ids: set[str]) -> dict[str, Any]:
-    ids = sorted(eval_ids)
-    split = lambda keep: reblock(  # noqa: E731
+def _filtered(base, ids: list[str], keep: bool):
+    return reblock(
         base.map_batches(select_rows, batch_size=None, batch_format="pyarrow", fn_kwargs={"ids": ids, "keep": keep})
     )
-    return {"train": split(False), **({"eval": split(True)} if ids else {})}
 
 
-def stored_datasets(files: list[str], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
-    """``train`` and ``eval`` datasets of the store's part ``files``, a read task per part, in order
-    (``pipeline.data.layout.parts_dataset``)."""
-    return _split(parts_dataset(files, feature_columns(dtype, layers)), eval_ids)
+def stored_datasets(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
+    """``train`` and ``eval`` datasets of the store's parts (``part_ids``: each part file's sample ids, in
+    read order), a read task per part (``pipeline.data.layout.parts_dataset``): each reads only the parts
+    that hold its rows (``pipeline.data.heldout.heldout_parts``), so the held-out set costs its own parts."""
+    held, train = heldout_parts(part_ids, eval_ids)
+    ids, columns = sorted(eval_ids), feature_columns(dtype, layers)
+    datasets = {"train": _filtered(parts_dataset(train, columns), ids, keep=False)}
+    return datasets | ({"eval": _filtered(parts_dataset(held, columns), ids, keep=True)} if ids else {})
 
 
 def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: set[str]) -> dict[str, Any]:
@@ -89,7 +92,7 @@ def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids
     from pipeline.data.parts import part_actor_dataset
 
     layers = key.get("feature_layers", ())
-    groups = group_parts(samples, cfg, key["hidden_size"], len(layers))
+    groups = group_parts(samples, cfg, key["hidden_size"], len(layers), eval_ids)
     kwargs = dict(
         target=cfg.target.model_dump(),
         dtype=cfg.features.dtype,

@@ -183,7 +183,7 @@ def test_a_repeated_part_is_refused_then_repaired(tmp_path):
     """A part recorded twice under two names: verify names it, training's check refuses the store with
     the repair command, and the repair leaves every sample once, the store still complete."""
     from pipeline.data.integrity import repair_store, require_unique_ids
-    from pipeline.train.batches import store_sample_ids
+    from pipeline.data.heldout import store_sample_ids
 
     manifest = make_store(tmp_path)
     copy = tmp_path / "part-test-00002.parquet"

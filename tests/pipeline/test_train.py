@@ -30,7 +30,8 @@ def store(tmp_path_factory, ray_local):
     root = tmp_path_factory.mktemp("train")
     data = root / "conversations.json"
     data.write_text(json.dumps(CONVERSATIONS))
-    cfg = load_config("jobs/configs/tiny.yaml", [f"output_dir={root}", f"data.source={data}", "data.limit=null"])
+    overrides = [f"output_dir={root}", f"data.source={data}", "data.limit=null", "train.eval_fraction=0.2"]
+    cfg = load_config("jobs/configs/tiny.yaml", overrides)  # the held-out fraction the stages train with
     run_featurize(cfg)
     return root, data, cfg.store_path
 
@@ -296,20 +297,42 @@ def test_materialized_datasets_reach_the_ranks_as_streamed_ones(store):
     object store."""
     import ray
 
-    from pipeline.data.store import part_files, read_manifest
+    from pipeline.data.heldout import store_part_ids
+    from pipeline.data.store import read_manifest
     from pipeline.train.feed import materialize, should_materialize, stored_datasets
 
     _, _, store_path = store
-    files, dtype = part_files(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    parts, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
     # all 40 rows: blocks of 16, 16 and 8, which the split hands out whole and then equalizes, 20 a rank
-    (streamed,) = stored_datasets(files, dtype, False, set()).values()
-    (held,) = materialize(stored_datasets(files, dtype, False, set())).values()
+    (streamed,) = stored_datasets(parts, dtype, False, set()).values()
+    (held,) = materialize(stored_datasets(parts, dtype, False, set())).values()
     ranks = split_ids(streamed)
     assert split_ids(held) == ranks
     assert ranks[0][0] == ranks[0][1] and len(ranks[0][0]) == 20 and not set(ranks[0][0]) & set(ranks[1][0])
     room = ray.cluster_resources()["object_store_memory"]
     assert should_materialize("auto", int(0.25 * room)) and not should_materialize("auto", int(0.26 * room))
     assert should_materialize(True, 10 * int(room)) and not should_materialize(False, 0)
+
+
+def test_held_out_rows_are_read_from_their_own_parts(store):
+    """Featurize plans the held-out samples (``train.eval_fraction``'s) into parts of their own: the eval
+    dataset reads those parts only, the train dataset none of them. At another fraction the parts mix,
+    and both datasets read and filter the mixed ones: the same rows either way."""
+    from pipeline.data.heldout import held_out_ids, heldout_parts, store_part_ids
+    from pipeline.train.feed import stored_datasets
+
+    _, _, store_path = store
+    parts = store_part_ids(store_path)
+    ids = [i for part in parts.values() for i in part]
+    for fraction, pure in ((0.2, True), (0.3, False)):
+        eval_ids = held_out_ids(ids, fraction)
+        held, train = heldout_parts(parts, eval_ids)
+        assert (not set(held) & set(train)) == pure and len(held) < len(parts)
+        if pure:
+            assert sum(len(parts[f]) for f in held) == len(eval_ids) == 8
+        datasets = stored_datasets(parts, "bf16", False, eval_ids)
+        read = {name: [r["sample_id"] for r in d.iter_rows()] for name, d in datasets.items()}
+        assert sorted(read["eval"]) == sorted(eval_ids) and sorted(read["train"]) == sorted(set(ids) - eval_ids)
 
 
 def test_bad_configs_fail_clearly(store, tmp_path):
