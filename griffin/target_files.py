@@ -1,13 +1,13 @@
 """A target's files and their digests: what names a target without loading it.
 
 ``files_sha256(path, revision)`` is the target's identity in every lineage record made since file
-fingerprints (``pipeline.resources.identity``): sha256 over ``config.json`` and each weight file's
-own sha256, by file name. Nothing is loaded and, where a digest is already known, nothing is read:
+fingerprints (``pipeline.resources.identity``): sha256 over its config (parsed, without the fields
+that only say which transformers wrote it) and each weight file's own sha256, by file name. Nothing is loaded and, where a digest is already known, nothing is read:
 
 - a hub file stored with Git LFS (every weight file) is named by its sha256: the cached blob's name,
   or the hub's ETag when it is not cached, so a driver never downloads the weights to name them;
 - a local file is hashed once per machine, the digest kept under ``<cache>/file-digests`` by path,
-  size and modification time (an 8B target: ~16 GB read once, then nothing).
+  inode, size, modification and change times (an 8B target: ~16 GB read once, then nothing).
 
 A hub file's LFS sha256 is the sha256 of its bytes, so a model copied from the hub into a local
 directory has the hub's identity.
@@ -22,10 +22,11 @@ import re
 from pathlib import Path
 
 CONFIG = "config.json"
-WEIGHT_LAYOUTS = (  # (index, single file), in transformers' order of preference
-    ("model.safetensors.index.json", "model.safetensors"),
-    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+WEIGHT_LAYOUTS = (  # (single file, index), in transformers' order of preference: the one file first
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
 )
+VOLATILE_CONFIG = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")  # who wrote it, not the model
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 16 << 20
 
@@ -53,11 +54,11 @@ def locate(path: str, name: str, revision: str | None = None, optional: bool = F
 
 def weight_file_names(path: str, revision: str | None = None) -> list[str]:
     """The files that hold the target's weights: an index's shards, or its one file."""
-    for index, single in WEIGHT_LAYOUTS:
-        if (found := locate(path, index, revision, optional=True)) is not None:
-            return sorted(set(json.loads(Path(found).read_text())["weight_map"].values()))
+    for single, index in WEIGHT_LAYOUTS:
         if locate_without_download(path, single, revision) is not None:
             return [single]
+        if (found := locate(path, index, revision, optional=True)) is not None:
+            return sorted(set(json.loads(Path(found).read_text())["weight_map"].values()))
     raise FileNotFoundError(
         f"target {path} has no weight files ({', '.join(name for pair in WEIGHT_LAYOUTS for name in pair)})"
     )
@@ -84,10 +85,19 @@ def file_sha256(path: str, name: str, revision: str | None = None) -> str:
     return _content_sha256(Path(locate(path, name, revision)))
 
 
+def config_sha256(path: str, revision: str | None = None) -> str:
+    """sha256 of the target's config as the model reads it: the parsed ``config.json`` without what
+    only says who wrote it (``VOLATILE_CONFIG``: the transformers version, a path, the load dtype),
+    so one model converted or saved on two machines is one model."""
+    config = json.loads(Path(locate(path, CONFIG, revision)).read_text())
+    kept = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def files_sha256(path: str, revision: str | None = None) -> str:
     """The target's identity: sha256 over its config's and weight files' digests, by file name."""
-    names = [CONFIG, *weight_file_names(path, revision)]
-    listing = {name: file_sha256(path, name, revision) for name in names}
+    listing = {name: file_sha256(path, name, revision) for name in weight_file_names(path, revision)}
+    listing[CONFIG] = config_sha256(path, revision)
     return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest()
 
 
@@ -119,8 +129,8 @@ def digest_cache() -> Path:
 
 def _content_sha256(file: Path) -> str:
     """sha256 of a local file's bytes, read once per (path, size, mtime) on this machine."""
-    stat = file.stat()
-    key = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    stat = file.stat()  # ctime: a copy that keeps the mtime (rsync -a, cp -p) still gets a new one
+    key = f"{file.resolve()}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
     memo = digest_cache() / hashlib.sha256(key.encode()).hexdigest()
     try:
         return memo.read_text().strip()

@@ -140,14 +140,14 @@ class WeightFiles:
 
     def __init__(self, path: str, revision: str | None = None):
         self.path, self.revision, self.bytes_read = path, revision, 0
-        index, single = self._file(INDEX, optional=True), None
-        if index is None and (single := self._file(SINGLE, optional=True)) is None:
-            raise PartsUnreadable(f"{path} has no safetensors weights (e.g. only pytorch_model.bin)")
-        if index is not None:
-            self.holder = json.loads(Path(index).read_text())["weight_map"]  # tensor name -> file name
-        else:
+        # transformers' order: the one file first, then the index of shards
+        if (single := self._file(SINGLE, optional=True)) is not None:
             with safe_open(single, framework="pt") as f:
                 self.holder = {name: SINGLE for name in f.keys()}
+        elif (index := self._file(INDEX, optional=True)) is not None:
+            self.holder = json.loads(Path(index).read_text())["weight_map"]  # tensor name -> file name
+        else:
+            raise PartsUnreadable(f"{path} has no safetensors weights (e.g. only pytorch_model.bin)")
         local = Path(path).expanduser()
         self.total_bytes = (
             sum((local / f).stat().st_size for f in set(self.holder.values())) if local.is_dir() else None

@@ -300,7 +300,14 @@ def key_mismatches(
     """How a store's capture key differs from ``expected``, the target's identity compared as
     ``pipeline.resources.identity.fingerprint_problems`` does (``weights_sha256``: the target's
     weights hash, asked for only when the store records no files digest)."""
-    return fingerprint_problems(stored, expected, weights_sha256 or (lambda: None), words=("store has", "expected"))
+    return fingerprint_problems(stored, expected, weights_sha256 or _no_weights_hash, words=("store has", "expected"))
+
+
+def _no_weights_hash() -> str:
+    raise ValueError(
+        "the store records its target by weights hash (made before file digests), and this check was given no "
+        "way to compute it: check it with `griffin train` or `griffin featurize`, which do"
+    )
 
 
 def check_capture_key(

@@ -344,13 +344,22 @@ def _refusal(candidate, champion, tau: float, benchmark: str, violations: int) -
             f"champion v{champion.version} has no τ on {benchmark!r} to compare with; record it first with "
             f"promote(cfg, {champion.version}, tau, {benchmark!r})"
         )
-    for key in ("target.target_files_sha256", "target.target_weights_sha256"):  # an identity both recorded
-        ours, theirs = (v.tags.get(key) for v in (candidate, champion))
-        if ours and theirs and ours != theirs:
-            return f"champion v{champion.version} drafts for another target ({key} {theirs[:12]}, not {ours[:12]})"
+    if problem := _other_target(candidate.tags, champion.tags):
+        return f"champion v{champion.version} drafts for another target ({problem})"
     if tau <= best:
         return f"τ {tau:.4f} does not beat champion v{champion.version}'s {best:.4f} on {benchmark!r}"
     return None
+
+
+def _other_target(ours: dict[str, str], theirs: dict[str, str]) -> str | None:
+    """How two versions' recorded targets differ: by the identity both record (files digest, else
+    weights hash); a champion recorded by the other kind (before file digests) by what both record of
+    tokenizer, template and sizes."""
+    for key in ("target.target_files_sha256", "target.target_weights_sha256"):
+        if ours.get(key) and theirs.get(key):
+            return None if ours[key] == theirs[key] else f"{key} {theirs[key][:12]}, not {ours[key][:12]}"
+    keys = ("target.tokenizer_sha256", "target.chat_template_sha256", "target.hidden_size", "target.vocab_size")
+    return next((f"{k} {theirs.get(k)}, not {ours.get(k)}" for k in keys if ours.get(k) != theirs.get(k)), None)
 
 
 def run_register(cfg: RunConfig, checkpoint: str | None = None, promote: bool = False) -> dict[str, Any]:

@@ -69,15 +69,28 @@ class TargetIdentity(HeadShaped):
 
     @property
     def weights_sha256(self) -> str:
-        """The older identity: loads the whole target on this process's CPU, once."""
+        """The older identity, for records made before file digests: the whole target loaded once, on
+        a CPU of the cluster (a Ray task, when Ray is up) rather than on the driver, whose node (the head)
+        may not have the memory."""
         if self._weights_sha256 is None:
-            from pipeline.resources.targets import load_target
+            import ray
 
             logger.warning(
-                "reading the whole target %s to compare it with a record made before file digests", self.name
+                "loading the whole target %s once to compare it with a record made before file digests",
+                self.name,
             )
-            self._weights_sha256 = load_target(self.section, device="cpu").weights_sha256
+            section = self.section.model_dump()
+            if ray.is_initialized():
+                self._weights_sha256 = ray.get(ray.remote(num_cpus=1)(_loaded_weights_sha256).remote(section))
+            else:
+                self._weights_sha256 = _loaded_weights_sha256(section)
         return self._weights_sha256
+
+
+def _loaded_weights_sha256(section: dict[str, Any]) -> str:
+    from pipeline.resources.targets import load_target
+
+    return load_target(TargetSection(**section), device="cpu").weights_sha256
 
 
 def target_identity(section: TargetSection) -> TargetAdapter | TargetIdentity:
@@ -142,8 +155,10 @@ def fingerprint_problems(
         key, value = FILES, actual[FILES]
     elif WEIGHTS in recorded:
         key, value = WEIGHTS, actual.get(WEIGHTS) or weights_sha256()
+    elif FILES in recorded:
+        return problems + [f"{FILES}: {theirs} for a target read from files, {ours} one built in memory"]
     else:
-        return problems + [f"{FILES}: {theirs} for a target read from files, {ours} built in memory"]
+        return problems + [f"{FILES}: {theirs} none (no identity of the target recorded)"]
     if recorded[key] != value:
         problems.append(f"{key}: {theirs} {str(recorded[key])[:12]}…, {ours} {str(value)[:12]}…")
     return problems

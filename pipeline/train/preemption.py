@@ -6,8 +6,9 @@ None, or which nodes and ranks go, by when. It is a collective (rank 0's answer,
 rank asks at the same steps: every ``train.preemption_check_every`` steps. The first notice makes the
 stage save a checkpoint at that step, whatever ``checkpoint_every`` says; training goes on, and when
 the node goes Ray Train restarts the group from that checkpoint (``max_preemption_failures: -1``), so
-a preemption with notice loses no step. A node lost without notice costs what a crash costs: the steps
-since the last checkpoint.
+a preemption with notice loses only the steps between that checkpoint and the node's end (the regular
+checkpoints keep being saved meanwhile). A node lost without notice costs what a crash costs: the
+steps since the last checkpoint.
 
 ``train.debug_drain_at_step``: the tests' real notice. Rank 0 asks Ray to drain its own node (deadline
 far enough for the test's short stage to finish first) and every rank waits for Ray Train's notice.
@@ -23,23 +24,24 @@ DEBUG_DEADLINE_S = 600.0
 
 
 class PreemptionWatch:
-    """Asks Ray Train for a preemption notice every ``every`` steps (0: never); ``due(step)`` is the
-    notice the first time one is seen, to checkpoint on, else None."""
+    """Asks Ray Train for a preemption notice every ``every`` steps (0: never); ``due(step)`` is a
+    notice the first time it is seen, to checkpoint on, else None (a notice withdrawn and given again
+    is seen again)."""
 
     def __init__(self, every: int, drain_at_step: int | None, rank: int):
         self.every, self.drain_at_step, self.rank = every, drain_at_step, rank
-        self.saved = False  # one checkpoint per notice: a worker lives until its node goes
+        self.noticed = False  # a notice already checkpointed on: the workers keep training until the node goes
 
     def due(self, step: int) -> Any:
         import ray.train
 
         if step == self.drain_at_step:
             self._drain_own_node()
-        if self.saved or not self.every or step % self.every:
+        if not self.every or step % self.every:
             return None
-        notice = ray.train.get_preemption_info()  # a collective: every rank asks at this step
-        self.saved = notice is not None
-        return notice
+        notice = ray.train.get_preemption_info()  # a collective: every rank asks at this step, gets rank 0's
+        first, self.noticed = notice is not None and not self.noticed, notice is not None
+        return notice if first else None
 
     def _drain_own_node(self) -> None:
         """The testing hook (module docstring): a real drain of rank 0's node, then every rank waits

@@ -112,7 +112,7 @@ def test_records_made_before_file_digests_are_checked_by_weights(saved, tmp_path
     (store / "_manifest.json").write_text(json.dumps({"complete": True, "capture_key": old, "files": []}))
     with caplog.at_level(logging.WARNING, logger="pipeline.resources.identity"):
         st.check_capture_key(str(store), identity.target_fingerprint(named), None, lambda: named.weights_sha256)
-    assert "reading the whole target" in caplog.text and named.weights_sha256 == tensors_sha256(tiny.model.state_dict())
+    assert "loading the whole target" in caplog.text and named.weights_sha256 == tensors_sha256(tiny.model.state_dict())
 
     draft = GriffinDraft.for_target(tiny)
     path = drafts.save_draft_with_lineage(draft, tmp_path / "draft", targets.load_target(section))
@@ -127,3 +127,30 @@ def test_records_made_before_file_digests_are_checked_by_weights(saved, tmp_path
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="target_files_sha256: recorded 111111111111…"):
         drafts.check_lineage(path, named)  # the files digest decides when both have one
+
+
+def test_the_identity_is_the_model_not_who_wrote_it(saved):
+    """The config is compared as the model reads it: another transformers version (or a path, or the
+    load dtype) in config.json is the same model, another value is not. Beside an index of shards, the
+    one file is what transformers loads, so it is what the identity covers."""
+    section, _ = saved
+    path = Path(section.name)
+    before = target_files.files_sha256(str(path))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "transformers_version": "9.9.9", "dtype": "float16"}))
+    assert target_files.files_sha256(str(path)) == before
+    (path / "config.json").write_text(json.dumps({**config, "rope_theta": 1.0}))
+    assert target_files.files_sha256(str(path)) != before
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "shard.safetensors"}}))
+    assert target_files.weight_file_names(str(path)) == ["model.safetensors"]
+
+
+def test_promotion_compares_targets_across_fingerprint_kinds():
+    from pipeline.registry.register import _other_target
+
+    old = {"target.target_weights_sha256": "a" * 64, "target.tokenizer_sha256": "t", "target.vocab_size": "64"}
+    new = {"target.target_files_sha256": "b" * 64, "target.tokenizer_sha256": "t", "target.vocab_size": "64"}
+    assert _other_target(new, old) is None  # no common identity: tokenizer, template and sizes agree
+    assert "tokenizer_sha256" in _other_target({**new, "target.tokenizer_sha256": "u"}, old)
+    assert "target_files_sha256" in _other_target(new, {**new, "target.target_files_sha256": "c" * 64})
