@@ -28,6 +28,7 @@ import torch
 
 from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
+from pipeline.config import TrainSection
 from pipeline.data.store import iter_rows, pad_batches, part_files, table_rows
 
 SHUFFLE_WINDOW = 256
@@ -69,16 +70,26 @@ def split_rows(files: list[str], ids: set[str], keep: bool, layers: bool = False
     return (row for row in iter_rows(files, layers) if (row["sample_id"] in ids) == keep)
 
 
-def windowed_shuffle(rows: Iterable[dict], rng: random.Random) -> Iterator[dict]:
-    """``rows`` shuffled within consecutive windows of ``SHUFFLE_WINDOW``: the store's parts are
-    length-sorted runs, so a window mixes rows of similar length (little padding)."""
+def row_bytes(row: dict) -> int:
+    """The feature bytes a row holds (and pins of its block while it waits in a shuffle window)."""
+    return sum(row[k].size for k in ("hidden", "layers") if row.get(k) is not None)
+
+
+def windowed_shuffle(rows: Iterable[dict], rng: random.Random, max_bytes: int) -> Iterator[dict]:
+    """``rows`` shuffled within consecutive windows of ``SHUFFLE_WINDOW`` rows or ``max_bytes`` of
+    features, whichever is reached first (``train.shuffle_bytes``: an 8B target's 2k-token row is 16 MB,
+    a 3-layer draft's 64 MB): the store's parts are length-sorted runs, so a window mixes rows of
+    similar length (little padding)."""
     window: list[dict] = []
+    held = 0
     for row in rows:
         window.append(row)
-        if len(window) == SHUFFLE_WINDOW:
+        held += row_bytes(row)
+        if len(window) == SHUFFLE_WINDOW or held >= max_bytes:
             rng.shuffle(window)
             yield from window
             window.clear()
+            held = 0
     rng.shuffle(window)
     yield from window
 
@@ -93,11 +104,12 @@ def shard_rows(shard, block_bytes: list[int]) -> Iterator[dict]:
 
 class ShardFeed:
     """This rank's training rows, epoch after epoch, as lists of rows that fit ``batch_tokens``, the
-    same number of rows on every rank (module docstring). ``epoch``, ``taken``: where to resume."""
+    same number of rows on every rank (module docstring), shuffled in windows of at most
+    ``train.shuffle_bytes``. ``epoch``, ``taken``: where to resume."""
 
-    def __init__(self, shard, rank: int, world: int, seed: int, batch_tokens: int, device, epoch=0, taken=0):
-        self.shard, self.rank, self.world, self.seed = shard, rank, world, seed
-        self.batch_tokens, self.device = batch_tokens, device
+    def __init__(self, shard, rank: int, world: int, device, train: TrainSection, epoch: int = 0, taken: int = 0):
+        self.shard, self.rank, self.world, self.device = shard, rank, world, device
+        self.seed, self.batch_tokens, self.shuffle_bytes = train.seed, train.batch_tokens, train.shuffle_bytes
         self.epoch, self.taken = epoch, taken
         self.block_bytes: list[int] = []  # bytes of every block this rank received, this attempt
         self.finished: list[dict[str, int]] = []  # epochs read to the end: their rows and bytes on this rank
@@ -106,7 +118,7 @@ class ShardFeed:
     def _start_epoch(self, skip: int) -> None:
         rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}")
         self._epoch_start = len(self.block_bytes)
-        self._rows = windowed_shuffle(shard_rows(self.shard, self.block_bytes), rng)
+        self._rows = windowed_shuffle(shard_rows(self.shard, self.block_bytes), rng, self.shuffle_bytes)
         self._ahead: list[dict] = []
         for _ in range(skip):  # rows the interrupted attempt trained on in this epoch
             if next(self._rows, None) is None:

@@ -264,7 +264,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     at["checkpoint_step"] = step
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
     shard = ray.train.get_dataset_shard("train")
-    feed = ShardFeed(shard, rank, world, cfg.train.seed, cfg.train.batch_tokens, device, epoch, taken)
+    feed = ShardFeed(shard, rank, world, device, cfg.train, epoch, taken)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"

@@ -335,6 +335,25 @@ def test_held_out_rows_are_read_from_their_own_parts(store):
         assert sorted(read["eval"]) == sorted(eval_ids) and sorted(read["train"]) == sorted(set(ids) - eval_ids)
 
 
+def test_the_shuffle_window_is_bounded_in_bytes():
+    """A rank holds at most ``train.shuffle_bytes`` of features (or 256 rows) to shuffle in: rows of
+    100 feature bytes with a 250-byte bound are shuffled in windows of 3, each window a permutation of
+    its own rows; small rows still go 256 to a window."""
+    import random
+
+    import numpy as np
+
+    from pipeline.train.batches import SHUFFLE_WINDOW, windowed_shuffle
+
+    rows = [{"sample_id": i, "hidden": np.zeros(100, np.uint8)} for i in range(10)]
+    out = [r["sample_id"] for r in windowed_shuffle(rows, random.Random(0), max_bytes=250)]
+    assert [sorted(out[i : i + 3]) for i in range(0, 10, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert out != list(range(10))
+    small = [{"sample_id": i, "hidden": np.zeros(1, np.uint8)} for i in range(2 * SHUFFLE_WINDOW)]
+    out = [r["sample_id"] for r in windowed_shuffle(small, random.Random(0), max_bytes=1 << 30)]
+    assert sorted(out[:SHUFFLE_WINDOW]) == list(range(SHUFFLE_WINDOW))
+
+
 def test_bad_configs_fail_clearly(store, tmp_path):
     with pytest.raises(ValueError, match="draft.variant"):
         train_cfg(store, "bad", "draft.variant=medusa")
