@@ -155,6 +155,15 @@ class BatchEngine:
         with self.lock:
             return self.lock.wait_for(lambda: self.busy, timeout)
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every active and waiting row with ``error``: the engine cannot go on, and its caller
+        stops stepping it (its caches are left as they are)."""
+        with self.lock:
+            rows, self.rows, self.waiting = [*self.rows, *self.waiting], [], deque()
+        for row in rows:
+            row.error = row.error or error
+            self._finish(row, "stop")
+
     def run_until_idle(self) -> None:
         while self.busy:
             self.step()
@@ -210,15 +219,15 @@ class BatchEngine:
         ids = torch.tensor([req.prompt], device=device)  # (1, T)
         starts, _ = self.cache.slots.begin(slot, slot + 1, ids.shape[1])
         positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
-        try:
+        try:  # its prompt or its sampling failing ends this row only
             features, logits = self.target.forward(
                 ids, self.cache, positions, all_logits=False, feature_layers=self.layers
             )  # (1, T, D_f), (1, 1, V)
-        except BaseException as error:
+            self.cache.slots.lengths[slot] += ids.shape[1]
+            token = next_token(logits[0, -1], req.sampling, req.generator)
+        except Exception as error:
             row.error = error
             return
-        self.cache.slots.lengths[slot] += ids.shape[1]
-        token = next_token(logits[0, -1], req.sampling, req.generator)
         row.stats.prefill_time = device_time(device) - start
         if self.draft is not None:
             row.pending_features = features[0]  # (T, D_f)
@@ -257,6 +266,8 @@ class BatchEngine:
         end = device_time(device)
         self.rounds, self.last_batch = self.rounds + 1, len(rows)
         for b, (row, tree_b, path) in enumerate(zip(rows, trees, paths)):
+            if row.error is not None:  # its sampling failed: it leaves at this round's end, with nothing
+                continue
             row.stats.draft_time += mid - start
             row.stats.verify_time += end - mid
             row.stats.round_seconds.append((mid - start, end - mid))
@@ -312,8 +323,11 @@ class BatchEngine:
         paths = []
         with record_function("griffin.accept"):
             for b, (row, t) in enumerate(zip(self.rows, trees)):
-                result = verify(t, logits[b, : t.size], row.request.sampling, row.request.generator)
-                paths.append(result.accepted_nodes + [result.next_token])
+                try:  # a row's own sampling (its settings, its generator) failing ends that row only
+                    result = verify(t, logits[b, : t.size], row.request.sampling, row.request.generator)
+                except Exception as error:
+                    row.error, result = error, None
+                paths.append([0, row.root] if result is None else result.accepted_nodes + [result.next_token])
         with record_function("griffin.commit"):
             self.cache.keep_paths(0, [p[:-1] for p in paths], max(t.size for t in trees))
         return paths

@@ -25,6 +25,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # training time waiting on polls. Propagated to the controller and the workers (and inherited by the
 # `griffin` subprocesses and the cluster test's nodes).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# The decoder replicas' fault-injection flag (pipeline.serve.engine.FAULT_ENV), named before Ray starts so
+# that every replica process inherits it: a test makes a replica's engine fail by writing the file.
+os.environ.setdefault("GRIFFIN_ENGINE_FAULT", str(Path(tempfile.mkdtemp(prefix="griffin-faults-")) / "engine"))
 # In-process tests run tiny models: their many small ops are fastest on one thread, and on a loaded
 # 2-core machine torch's spinning intra-op threads made them ~100x slower (timeouts).
 torch.set_num_threads(1)

@@ -111,7 +111,9 @@ class SpeculativeDecoder:
         self.recent: collections.deque[DecodeTrace] = collections.deque(maxlen=64)
         self.created = int(time.time())
         self.metrics = self._metrics()
-        self.engine = ReplicaEngine(self.target, self.draft, self.policy, cfg.serve.max_batch, self._on_round)
+        self.engine = ReplicaEngine(
+            self.target, self.draft, self.policy, cfg.serve.max_batch, self._on_round, cfg.serve.retry_after_s
+        )
         logger.info("serving %s with %s", self.model_id, f"draft {self.draft_uri}" if self.draft else "no draft")
 
     def _metrics(self) -> ServeMetrics | None:
@@ -128,15 +130,19 @@ class SpeculativeDecoder:
         try:
             self._check_progress()
         except RuntimeError as error:
-            return Reply(503, {"status": "wedged", "model": self.model_id, "detail": str(error)})
+            status = "failed" if self.engine.failure is not None else "wedged"
+            return Reply(503, {"status": status, "model": self.model_id, "detail": str(error)})
         body = {"status": "ok", "model": self.model_id, "running": self.engine.active}
         return Reply(200, {**body, "waiting": self._waiting()})
 
     async def check_health(self) -> None:
-        """Serve's replica health check (every health_check_period_s): a wedged decode fails it."""
+        """Serve's replica health check (every health_check_period_s): a failed engine or a wedged decode
+        fails it, and Serve replaces the replica."""
         self._check_progress()
 
     def _check_progress(self) -> None:
+        if self.engine.failure is not None:
+            raise RuntimeError(f"the decoding engine failed ({type(self.engine.failure).__name__}): replacing it")
         for trace in list(self.live):  # a snapshot: the event loop adds and removes traces
             check_progress(trace, self.limits.stall_timeout_s)
 

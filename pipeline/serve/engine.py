@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,20 +20,30 @@ import torch
 
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, LogprobRecorder
-from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
+from griffin.engine import BatchEngine, DecodeRequest, Row, SpeculationPolicy
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
+from pipeline.serve.errors import engine_failed
 from pipeline.serve.protocol import LogprobFormatter, SamplingRequest
 from pipeline.serve.sse import TextStream
+
+logger = logging.getLogger(__name__)
 
 
 class StopDecoding(Exception):
     """Raised from a row's per-round callback to end its decode early (a stop sequence was met)."""
 
 
+FAULT_ENV = "GRIFFIN_ENGINE_FAULT"  # tests: a flag file holding a round number: that round fails, once
+
+
 class ReplicaEngine:
     """A replica's batching engine (griffin.engine.BatchEngine) and the thread that runs its rounds:
-    requests join from the event loop (``stream_rounds``), decode together, and leave on their own."""
+    requests join from the event loop (``stream_rounds``), decode together, and leave on their own.
+
+    An error outside any one row's decode (admission, cache growth, a device fault) stops the loop:
+    every row it held or gets fails with ``errors.engine_failed`` (503, retry), ``failure`` says why,
+    and the replica's health check fails on it, so Serve replaces the replica. Nothing hangs."""
 
     def __init__(
         self,
@@ -40,11 +52,14 @@ class ReplicaEngine:
         policy: SpeculationPolicy,
         max_rows: int,
         on_round: Callable[[int], None] | None = None,
+        retry_after_s: float = 5.0,
     ):
         self.engine = BatchEngine(target, draft, policy, max_rows)
         self.on_round = on_round  # called with each round's row count (the batch-size metric)
+        self.retry_after_s = retry_after_s
         self.stopping, self.warm = threading.Event(), threading.Event()
         self.warm_up_error: BaseException | None = None
+        self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="griffin-engine", daemon=True)
         self.thread.start()
         self.warm.wait()  # the replica is ready once its compiled steps are captured (a no-op when eager)
@@ -62,9 +77,25 @@ class ReplicaEngine:
         while not self.stopping.is_set():
             if self.engine.wait_for_work(timeout=0.5):
                 rounds = self.engine.rounds
-                self.engine.step()
+                try:
+                    _injected_fault(rounds)
+                    self.engine.step()
+                except BaseException as error:
+                    self._fail(error)
+                    return
                 if self.on_round is not None and self.engine.rounds > rounds:
                     self.on_round(self.engine.last_batch)
+
+    def _fail(self, error: BaseException) -> None:
+        logger.error("the decoding engine failed; failing its requests", exc_info=error)
+        self.failure = error
+        self.engine.fail_all(engine_failed(error, self.retry_after_s))
+
+    def submit(self, request: DecodeRequest) -> Row:
+        """A request joins the engine; refused (503) once the engine has failed."""
+        if self.failure is not None:
+            raise engine_failed(self.failure, self.retry_after_s)
+        return self.engine.submit(request)
 
     def close(self) -> None:
         self.stopping.set()
@@ -105,7 +136,7 @@ async def stream_rounds(
             raise StopDecoding
 
     request.on_tokens, request.on_done = on_tokens, post
-    row = engine.engine.submit(request)
+    row = engine.submit(request)
     try:
         while isinstance(item := await queue.get(), str):
             yield item
@@ -115,6 +146,15 @@ async def stream_rounds(
     if row.error is not None and not isinstance(row.error, StopDecoding):
         raise row.error
     yield row.result
+
+
+def _injected_fault(rounds: int) -> None:
+    """``FAULT_ENV``'s testing hook: once the engine has run the rounds its flag file names (empty: 0),
+    the next step fails, and the file goes with it."""
+    flag = os.environ.get(FAULT_ENV)
+    if flag and os.path.exists(flag) and rounds >= int(open(flag).read().strip() or 0):
+        os.remove(flag)
+        raise RuntimeError(f"injected engine failure ({FAULT_ENV})")
 
 
 async def last_item(items: AsyncIterator[Any]) -> Any:

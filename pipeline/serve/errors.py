@@ -63,6 +63,20 @@ def replica_lost(error: BaseException, retry_after_s: float) -> ApiError:
     )
 
 
+def engine_failed(error: BaseException, retry_after_s: float) -> ApiError:
+    """The replica's decoding engine stopped (an error outside any one request's decode): every request
+    it held or gets fails with 503 and the replica reports unhealthy, so Serve replaces it. Only the
+    exception's type is named; the replica logs the rest."""
+    return ApiError(
+        f"the decoder replica's engine failed ({type(error).__name__}); the replica is being replaced: retry "
+        "the request",
+        status=503,
+        kind="server_error",
+        code="replica_unavailable",
+        headers=retry_after(retry_after_s),
+    )
+
+
 def internal_error(logger: logging.Logger, what: str) -> ApiError:
     """A bug, not the client's fault: the exception being handled goes to the log under a fresh request
     id; the client gets a 500 that names the id and nothing of the exception (its text may hold paths,

@@ -186,6 +186,9 @@ async def sse_stream(
         delta, n_tokens, hit = text.finish()
         rest = logprobs.take(text.tokens, content_tokens(text.tokens, n_tokens, text.stop_ids)) if logprobs else None
         finish, extra = tail(result, n_tokens, hit)
+    except ApiError as error:  # e.g. the replica's engine failed (503): the client may retry
+        yield sse_error(error)
+        return
     except Exception:  # the 200 and some chunks are out: report in-band and keep serving
         yield sse_error(internal_error(logger, "streamed generation failed"))
         return

@@ -182,3 +182,46 @@ def test_a_request_cancelled_while_waiting_for_a_slot_never_decodes():
     engine.run_until_idle()
     assert waiting.done.is_set() and waiting.result.tokens == [] and waiting.result.stats.rounds == 0
     assert len(running.result.tokens) == 8
+
+
+class BrokenGenerator:
+    """A row's own sampling failing: torch refuses it as a generator when the row draws."""
+
+
+def test_a_rows_own_failure_ends_that_row_only():
+    """A row whose sampling fails (here its generator), at its prefill or in a later round, ends with its
+    error; the rows decoding beside it go on and still equal their batch-1 outputs."""
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    engine = BatchEngine(target, draft, SpeculationPolicy({1: SMALL}), max_rows=3)
+    prompts, budget = _prompts(3, seed=5), 12
+    good = [engine.submit(DecodeRequest(p, GREEDY, budget, stop_token_ids=[])) for p in prompts[:2]]
+    sampled = SamplingConfig(temperature=1.0)
+    bad = engine.submit(DecodeRequest(prompts[2], sampled, budget, BrokenGenerator(), stop_token_ids=[]))
+    engine.run_until_idle()
+    assert bad.done.is_set() and bad.error is not None
+    for row, prompt in zip(good, prompts):
+        assert row.error is None
+        assert (
+            row.result.tokens
+            == vanilla_generate(target, torch.tensor([prompt]), GREEDY, budget, stop_token_ids=[]).tokens
+        )
+    later = engine.submit(DecodeRequest(prompts[0], GREEDY, budget, stop_token_ids=[]))
+    broken = engine.submit(
+        DecodeRequest(prompts[1], sampled, budget, torch.Generator().manual_seed(0), stop_token_ids=[])
+    )
+    engine.step()  # both admitted, one per step; then the second row's generator breaks mid-decode
+    engine.step()
+    broken.request.generator = BrokenGenerator()
+    engine.run_until_idle()
+    assert broken.error is not None and later.error is None and len(later.result.tokens) == budget
+
+
+def test_fail_all_ends_every_active_and_waiting_row():
+    target = make_target("llama")
+    engine = BatchEngine(target, None, SpeculationPolicy({1: None}), max_rows=1)
+    rows = [engine.submit(DecodeRequest(p, GREEDY, 50, stop_token_ids=[])) for p in _prompts(3)]
+    engine.step()
+    failure = RuntimeError("the device went away")
+    engine.fail_all(failure)
+    assert all(row.done.is_set() and row.error is failure for row in rows) and not engine.busy

@@ -162,6 +162,58 @@ def sse_of(engine, stops=(), max_new=1000, include_usage=False):
     )
 
 
+def test_an_engine_failure_fails_every_request_with_a_retryable_503(tmp_path, monkeypatch):
+    """The real replica engine (tiny target, no Ray) made to fail at its 30th round (``FAULT_ENV``): the stream
+    ends with a 503 error chunk and [DONE], a request waiting for a slot fails the same way, the engine
+    says why (the replica's health check reads it), and a new request is refused at once, never left
+    to hang."""
+    from griffin.engine import SpeculationPolicy
+    from pipeline.resources.targets import build_tiny_target
+    from pipeline.serve import engine as replica
+    from pipeline.serve.protocol import ApiError
+
+    flag = tmp_path / "fail"
+    flag.write_text("30")
+    monkeypatch.setenv(replica.FAULT_ENV, str(flag))
+    target = build_tiny_target(
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+        torch.float32,
+    )
+    engine = replica.ReplicaEngine(target, None, SpeculationPolicy({1: None}), max_rows=1, retry_after_s=7)
+
+    def request():
+        return DecodeRequest([5, 6, 7], SamplingConfig(), 400, stop_token_ids=[])
+
+    async def consume():
+        text = TextStream(target.tokenizer, [], [])
+        events = sse_stream(replica.stream_rounds(engine, request(), text, 400), text, HEAD, True, tail)
+        queued = asyncio.ensure_future(
+            replica.last_item(replica.stream_rounds(engine, request(), TextStream(target.tokenizer, [], []), 400))
+        )
+        streamed = [e async for e in events]
+        with pytest.raises(ApiError) as waited:
+            await asyncio.wait_for(queued, DEADLOCK_S)
+        return streamed, waited.value
+
+    streamed, waited = asyncio.run(consume())
+    assert any(parse(e)["choices"][0]["delta"].get("content") for e in streamed[1:-1])  # it was streaming
+    chunk, done = streamed[-1].split("\n\n", 1)  # the error chunk, then [DONE], in one event write
+    error = parse(chunk)["error"]
+    assert done == "data: [DONE]\n\n" and error["status"] == 503 and error["code"] == "replica_unavailable"
+    assert "engine failed (RuntimeError)" in error["message"] and "injected" not in error["message"]
+    assert waited.status == 503 and waited.headers == {"Retry-After": "7"}
+    assert isinstance(engine.failure, RuntimeError) and not flag.exists()
+    with pytest.raises(ApiError, match="engine failed"):
+        engine.submit(request())
+    engine.close()
+
+
 def parse(event):
     return json.loads(event.removeprefix("data: "))
 

@@ -222,6 +222,25 @@ def test_a_redeploy_past_the_grace_period_ends_streams_with_an_error_chunk(serve
     serving_again(server, old)
 
 
+def test_a_replica_whose_engine_fails_answers_503_and_is_replaced(server):
+    """The decoder's engine made to fail at its next round (``FAULT_ENV``, inherited by the replica from
+    the suite's environment): the request gets a retryable 503, never a hang; the replica's health check
+    fails on the failed engine, Serve replaces it, and the new replica answers."""
+    from pipeline.serve.engine import FAULT_ENV
+
+    wait_for(lambda: server.client.get("/health").status_code == 200)
+    (pid,) = decoder_pids()
+    Path(os.environ[FAULT_ENV]).write_text("0")
+    failed = server.client.post(CHAT, json={**LONG, "max_tokens": 12})
+    assert failed.status_code == 503 and failed.headers["Retry-After"] == "3"
+    assert (
+        failed.json()["error"]["code"] == "replica_unavailable" and "engine failed" in failed.json()["error"]["message"]
+    )
+    serving_again(server, pid)
+    answered = server.client.post(CHAT, json={**LONG, "max_tokens": 12})
+    assert answered.status_code == 200 and not Path(os.environ[FAULT_ENV]).exists()
+
+
 def test_the_replacement_replica_serves_normally(server):
     """After the kills above, requests stream and answer in full again, on a new replica."""
     with server.client.stream("POST", CHAT, json={**LONG, "max_tokens": 12, "stream": True}) as response:
