@@ -284,6 +284,12 @@ class ServeSection(Section):
         "running requests (Serve sends it no new ones); streams still running then end with an error chunk "
         "and [DONE]",
     )
+    drain_s: float = Field(
+        default=25.0,
+        ge=0,
+        description="`griffin serve` on SIGTERM or Ctrl-C: how long running requests may finish while new ones get "
+        "503 + Retry-After, before Serve stops (Kubernetes gives a pod 30 s by default)",
+    )
     stall_timeout_s: float = Field(
         default=600.0,
         gt=0,

@@ -63,6 +63,17 @@ def replica_lost(error: BaseException, retry_after_s: float) -> ApiError:
     )
 
 
+def shutting_down(retry_after_s: float) -> ApiError:
+    """The server is draining before it stops (``griffin serve`` got SIGTERM): 503, retry elsewhere or later."""
+    return ApiError(
+        "the server is shutting down and takes no new requests; retry the request",
+        status=503,
+        kind="server_error",
+        code="shutting_down",
+        headers=retry_after(retry_after_s),
+    )
+
+
 def engine_failed(error: BaseException, retry_after_s: float) -> ApiError:
     """The replica's decoding engine stopped (an error outside any one request's decode): every request
     it held or gets fails with 503 and the replica reports unhealthy, so Serve replaces it. Only the

@@ -35,7 +35,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.serve.auth import KeyCheck
-from pipeline.serve.errors import internal_error, overloaded, replica_lost, retry_after
+from pipeline.serve.errors import internal_error, overloaded, replica_lost, retry_after, shutting_down
 from pipeline.serve.protocol import ApiError, read_body
 from pipeline.serve.relay import REPLICA_LOST, Admission, Call, ClientGone, until_done
 
@@ -92,6 +92,7 @@ class Ingress:
     def __init__(self, decoder: DeploymentHandle, edge: EdgeConfig):
         self.decoder, self.streaming, self.edge = decoder, decoder.options(stream=True), edge
         self.admission = Admission(edge.slots, edge.queue)
+        self.draining = False  # ``drain``: new completions get 503 while the running ones finish
         self.keys = KeyCheck(edge.key_digest)
         self.counters = _counters(edge.model_id)
 
@@ -124,6 +125,15 @@ class Ingress:
         except ApiError as error:
             return error.response()
 
+    async def drain(self) -> int:
+        """Stop admitting completions (``griffin serve`` is stopping: 503 + Retry-After); returns how
+        many are in progress or queued here, which finish as usual."""
+        self.draining = True
+        return self.admission.admitted
+
+    async def in_flight(self) -> int:
+        return self.admission.admitted
+
     async def _ask(self, method: Any) -> Any:
         """A cheap call to a decoder replica (on its control slots: never behind completions)."""
         response = method.remote()
@@ -155,6 +165,8 @@ class Ingress:
         gets the client a 503 + Retry-After. Without the API key (when one is set): 401, before anything."""
         if (denied := self.keys.denied(request)) is not None:
             return denied
+        if self.draining:
+            return shutting_down(self.edge.retry_after_s).response()
         if self.admission.full():
             return self._shed()
         ticket = self.admission.enter()
