@@ -234,6 +234,7 @@ class TargetAdapter(HeadShaped):
         self.name = name or getattr(self.hf_config, "_name_or_path", "") or "target"
         self.revision = revision  # the hub revision it was loaded at (lineage); None: the default or not the hub
         self.files = files  # the directory or hub id its weights came from (griffin.target_files); None: built
+        self.context_cap: int | None = None  # decode.max_context (see max_context)
         self.packed = False  # see prepack()
         self.compiled_forward: Callable | None = None  # see compile_decoding()
         self._weights_sha256: str | None = None
@@ -320,7 +321,10 @@ class TargetAdapter(HeadShaped):
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        """Positions a decode may reach (prompt + new tokens): the target's ``max_position_embeddings``,
+        or ``context_cap`` (``decode.max_context``) when smaller. Each row's KV cache is sized by it."""
+        positions = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        return positions if self.context_cap is None else min(positions, self.context_cap)
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -308,6 +308,12 @@ class DecodeSection(Section):
         description="run the decode steps as compiled static-shape graphs (griffin.static; CUDA graphs on "
         "a GPU): auto = on for CUDA, off on CPU; on = also on CPU (inductor); off = eager",
     )
+    max_context: int | None = Field(
+        default=8192,
+        ge=16,
+        description="the most positions a decode may reach (prompt + new tokens), capping each row's KV cache; "
+        "the target's max_position_embeddings when smaller; null: the target's",
+    )
     tune: bool = Field(
         default=False,
         description="griffin run: pick the tree with griffin tune-tree on this machine "

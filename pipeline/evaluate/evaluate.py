@@ -239,7 +239,7 @@ def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig, drafts: di
 def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) -> dict[str, Any]:
     """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary.
     With ``reuse_finished`` (``griffin run``), a finished evaluation with the same key is not redone."""
-    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile)
+    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
     questions = {name: load_questions(name, cfg.eval.num_questions) for name in cfg.eval.datasets}
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
     drafts = load_drafts(cfg, target, draft_model)

@@ -177,7 +177,7 @@ def run_tune_tree(
 
     prompts, max_new_tokens = prompts or cfg.decode.tune_prompts, max_new_tokens or cfg.decode.tune_max_new_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile)
+    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
     calibration = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, prompts)]
     curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))

@@ -78,7 +78,7 @@ def _check_decoding(cfg: RunConfig, count: int, new: int) -> dict[str, Any]:
 
     if count < 2:
         raise ValueError(f"--prompts {count}: the batched check needs at least 2 prompts")
-    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile)
+    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
     torch.manual_seed(0)
     draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, **cfg.draft.overrides)
     draft = draft.to(target.device)

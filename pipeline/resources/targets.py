@@ -89,11 +89,16 @@ def build_tiny_target(fields: dict[str, Any], dtype: torch.dtype, seed: int = 0)
 
 
 def load_target(
-    section: TargetSection, decoding: bool = False, device: str | None = None, compile: str = "off"
+    section: TargetSection,
+    decoding: bool = False,
+    device: str | None = None,
+    compile: str = "off",
+    max_context: int | None = None,
 ) -> TargetAdapter:
     """The run's target; ``decoding=True`` (serve, eval, tune-tree) also applies ``section.prepack``
-    and ``compile`` (``decode.compile``: griffin.static). ``device`` places it elsewhere than
-    ``section.device``, in the dtype resolved for that one."""
+    and ``compile`` (``decode.compile``: griffin.static), and ``max_context`` (``decode.max_context``)
+    caps each decode's context. ``device`` places it elsewhere than ``section.device``, in the dtype
+    resolved for that one."""
     dtype = resolve_dtype(section.dtype, section.device)
     device = device or section.device
     if section.tiny is not None:
@@ -107,6 +112,8 @@ def load_target(
         target = TargetAdapter.from_pretrained(
             section.name, dtype=dtype, device=device, revision=section.revision, device_map=section.device_map
         )
+    if decoding:
+        target.context_cap = max_context
     compiled = decoding and compile_enabled(compile, target.device)
     if compiled and len(devices := set(target.layer_devices)) > 1:
         raise ValueError(

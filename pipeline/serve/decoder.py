@@ -99,7 +99,9 @@ class SpeculativeDecoder:
         from pipeline.resources.targets import load_target
 
         cfg = config_from_dict(run_config)
-        self.target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile)
+        self.target = load_target(
+            cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context
+        )
         self.draft_uri = cfg.serve.draft_uri
         self.draft = load_draft_uri(self.draft_uri, self.target, cfg) if self.draft_uri else None
         self.model_id, self.tree = served_model_name(cfg), cfg.decode.tree

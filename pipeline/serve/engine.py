@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from griffin.capacity import check_rows_fit
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, LogprobRecorder
 from griffin.engine import BatchEngine, DecodeRequest, Row, SpeculationPolicy
@@ -54,6 +55,8 @@ class ReplicaEngine:
         on_round: Callable[[int], None] | None = None,
         retry_after_s: float = 5.0,
     ):
+        # refused before anything is allocated when the rows' KV cache cannot fit (griffin.capacity)
+        check_rows_fit(target, draft, max_rows, target.max_context, policy.tree_slack + 1)
         self.engine = BatchEngine(target, draft, policy, max_rows)
         self.on_round = on_round  # called with each round's row count (the batch-size metric)
         self.retry_after_s = retry_after_s

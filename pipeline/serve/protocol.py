@@ -390,7 +390,8 @@ def prompt_and_budget(
         raise ApiError(f"'{field}' could not be rendered with the chat template: {error}", field) from None
     if not ids or len(ids) >= context:
         raise ApiError(
-            f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens (the context window is {context})",
+            f"'{field}' is {len(ids)} tokens; it must be 1 to {context - 1} tokens (the context window is {context}: "
+            "decode.max_context, or the target's own when smaller)",
             field,
         )
     room = context - len(ids)
@@ -400,7 +401,7 @@ def prompt_and_budget(
     if requested > room:
         raise ApiError(
             f"'{name}'={requested} plus the prompt's {len(ids)} tokens exceeds the "
-            f"context window of {context}; use at most {room}",
+            f"context window of {context} (decode.max_context, or the target's own when smaller); use at most {room}",
             name,
         )
     return ids, requested

@@ -104,3 +104,18 @@ def test_a_failure_while_finishing_is_reported_too():
 
     chunks = run(["Hello"], tail=broken_tail)
     assert chunks[-1]["error"]["code"] == "internal_error" and "no tail" not in chunks[-1]["error"]["message"]
+
+
+def test_a_request_beyond_the_context_cap_is_a_400_naming_it():
+    """A prompt, or a prompt and max_tokens, beyond the context (decode.max_context when it is smaller
+    than the target's): 400 with the limit and the setting named, and what would fit."""
+    from pipeline.serve.protocol import prompt_and_budget
+
+    tokenizer = tiny_tokenizer()
+    long = parse_request(json.dumps({"prompt": "x" * 80}).encode(), CompletionRequest)
+    with pytest.raises(ApiError) as refused:
+        prompt_and_budget(long, tokenizer, "tiny", 64, 16)
+    assert refused.value.status == 400 and "context window is 64: decode.max_context" in str(refused.value)
+    short = parse_request(json.dumps({"prompt": "x" * 10, "max_tokens": 60}).encode(), CompletionRequest)
+    with pytest.raises(ApiError, match=r"exceeds the context window of 64 \(decode.max_context.*use at most 54"):
+        prompt_and_budget(short, tokenizer, "tiny", 64, 16)
