@@ -93,8 +93,11 @@ class Row:
     stop: set[int]
     out: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
-    pending_features: Tensor | None = None  # (T, D_f) committed positions the draft has not seen
-    pending_tokens: Tensor | None = None  # (T,) the token after each of them; the last is the root
+    # committed positions the draft has not seen, a (T_i, D_f) run per round, and the token after each
+    # ((T_i,) runs; the last is the root): kept as runs, joined once at the catch-up, so that plain
+    # rounds (the draft idle) never copy the growing backlog
+    pending_features: list[Tensor] = field(default_factory=list)
+    pending_tokens: list[Tensor] = field(default_factory=list)
     finish: str | None = None
     cancelled: bool = False
     error: BaseException | None = None
@@ -230,8 +233,8 @@ class BatchEngine:
             return
         row.stats.prefill_time = device_time(device) - start
         if self.draft is not None:
-            row.pending_features = features[0]  # (T, D_f)
-            row.pending_tokens = torch.cat([ids[0, 1:], torch.tensor([token], device=device)])  # (T,)
+            row.pending_features = [features[0]]  # (T, D_f)
+            row.pending_tokens = [torch.cat([ids[0, 1:], torch.tensor([token], device=device)])]  # (T,)
         self._deliver(row, [token], lambda: req.logprobs.score(logits[0, -1:], [token]))
 
     def _ensure_capacity(self, need: int) -> None:
@@ -284,15 +287,14 @@ class BatchEngine:
         """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
         then the levels, all rows at once. A request that asked for no draft keeps only its root."""
         rows, device = self.rows, self.target.device
-        counts = [row.pending_tokens.numel() for row in rows]
-        width = max(counts)
-        features = torch.zeros(len(rows), width, rows[0].pending_features.shape[-1], device=device)
-        features = features.to(rows[0].pending_features.dtype)
+        counts = [sum(run.numel() for run in row.pending_tokens) for row in rows]
+        width, first = max(counts), rows[0].pending_features[0]
+        features = torch.zeros(len(rows), width, first.shape[-1], device=device, dtype=first.dtype)
         tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for b, row in enumerate(rows):
-            features[b, : counts[b]] = row.pending_features
-            tokens[b, : counts[b]] = row.pending_tokens
-            row.pending_features = row.pending_tokens = None
+            features[b, : counts[b]] = torch.cat(row.pending_features)
+            tokens[b, : counts[b]] = torch.cat(row.pending_tokens)
+            row.pending_features, row.pending_tokens = [], []
         with record_function("griffin.draft.catch_up"):
             P, R = catch_up_rows(self.draft, self.draft_cache, features, tokens, counts, self.compiled)  # (B, D)
         roots = torch.tensor([row.root for row in rows], device=device)
@@ -336,12 +338,8 @@ class BatchEngine:
         """Queue the round's committed pairs for the draft's next catch-up."""
         if self.draft is None:
             return
-        tokens = torch.tensor(committed, device=features.device)
-        if row.pending_tokens is None:
-            row.pending_features, row.pending_tokens = features, tokens
-        else:  # a plain round: the draft was idle, its pairs accumulate
-            row.pending_features = torch.cat([row.pending_features, features])
-            row.pending_tokens = torch.cat([row.pending_tokens, tokens])
+        row.pending_features.append(features)  # after a plain round the draft was idle: the runs accumulate
+        row.pending_tokens.append(torch.tensor(committed, device=features.device))
 
     def _deliver(self, row: Row, tokens: list[int], scores) -> None:
         req = row.request

@@ -360,5 +360,5 @@ class SpeculativeDecoder:
         ids = result.tokens[:n_tokens] if job.req.return_token_ids else None
         return finish, {
             "usage": usage,
-            "speculative": speculative_block(result, self._uses_draft(job.req), self.tree, ids),
+            "speculative": speculative_block(result, self._uses_draft(job.req), ids),
         }

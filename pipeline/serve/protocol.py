@@ -283,17 +283,20 @@ def content_tokens(tokens: list[int], n_tokens: int, stop_ids: list[int]) -> int
     return n_tokens - 1 if n_tokens and tokens[n_tokens - 1] in stop_ids else n_tokens
 
 
-def speculative_block(result: Any, enabled: bool, tree: Any, token_ids: list[int] | None = None) -> dict[str, Any]:
+def speculative_block(result: Any, enabled: bool, token_ids: list[int] | None = None) -> dict[str, Any]:
     """A GenerationResult's stats as the response's ``speculative`` block (tau includes the bonus token);
-    ``token_ids`` (the emitted ids, on ``return_token_ids``) let a client compare outputs token by token."""
+    ``draft_tokens_per_round``: the mean tree the decode drafted (the policy's per batch size, 0 in a
+    plain round). ``token_ids`` (the emitted ids, on ``return_token_ids``) let a client compare outputs
+    token by token."""
     stats = result.stats
+    drafted = stats.drafted_per_round
     block = {
         "enabled": enabled,
         "rounds": stats.rounds,
         "accepted_tokens": sum(stats.accepted_per_round),
         "acceptance_length": stats.acceptance_length,
         "accepted_per_round": stats.accepted_per_round,
-        "draft_tokens_per_round": tree.total_tokens - 1 if enabled else 0,
+        "draft_tokens_per_round": round(sum(drafted) / len(drafted), 2) if drafted else 0,
     }
     if token_ids is not None:
         block["token_ids"] = token_ids
