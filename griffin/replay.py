@@ -40,7 +40,6 @@ class GreedyReference:
     vanilla_step_seconds: float  # mean single-token step of the decode that produced it
 
 
-@torch.inference_mode()
 def greedy_reference(
     target: TargetAdapter,
     input_ids: Tensor,
@@ -52,7 +51,8 @@ def greedy_reference(
     """Decode ``max_new_tokens + lookahead`` greedy tokens ignoring stop tokens (a last round may
     accept draft tokens past the length limit or a stop token; a lookahead of the tree's depth lets a
     replay count them as the decoder does), then run the target once over the whole sequence for its
-    features. ``stop_token_ids`` (default: the target's) end the decode the replay reproduces."""
+    features. ``stop_token_ids`` (default: the target's) end the decode the replay reproduces. Not
+    under ``inference_mode``: a compiled target's decode steps cannot take it (griffin.static)."""
     result = vanilla_generate(target, input_ids, GREEDY, max_new_tokens + lookahead, stop_token_ids=[])
     continuation = result.tokens
     stops = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
@@ -61,9 +61,10 @@ def greedy_reference(
         min(max_new_tokens, len(continuation)),
     )
     sequence = torch.cat([input_ids.to(target.device), torch.tensor([continuation[:-1]], device=target.device)], dim=1)
-    features, _ = target.forward(
-        sequence, target.new_cache(sequence.shape[1]), all_logits=False, feature_layers=feature_layers
-    )  # (1, T + L_ext - 1, D_f)
+    with torch.inference_mode():  # eager; the decode above ran in the engine's own mode (no_grad when compiled)
+        features, _ = target.forward(
+            sequence, target.new_cache(sequence.shape[1]), all_logits=False, feature_layers=feature_layers
+        )  # (1, T + L_ext - 1, D_f)
     step = result.stats.verify_time / max(result.stats.rounds, 1)
     return GreedyReference(input_ids, continuation, length, features, step)
 

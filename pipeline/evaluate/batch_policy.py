@@ -18,7 +18,6 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import device_time
@@ -49,7 +48,6 @@ def decode_tokens_per_s(
     return sum(len(r.tokens) - 1 for r in results) / elapsed  # the first token of each is the prefill's
 
 
-@torch.inference_mode()
 def measure_policy(
     target: Any,
     draft: Any,
@@ -59,7 +57,8 @@ def measure_policy(
     max_new: int,
     reps: int = 2,
 ) -> tuple[dict[int, TreeConfig | None], list[dict[str, Any]]]:
-    """The best option per batch size, and every measurement: rows of {batch, tree, tokens_per_s}."""
+    """The best option per batch size, and every measurement: rows of {batch, tree, tokens_per_s}. The
+    engine picks its own autograd mode: compiled steps cannot run under ``inference_mode``."""
     options: list[TreeConfig | None] = [None, *trees]
     policy: dict[int, TreeConfig | None] = {}
     curve: list[dict[str, Any]] = []

@@ -71,7 +71,8 @@ class ReplicaEngine:
 
     def _loop(self) -> None:
         try:  # on this thread: CUDA graphs belong to the thread that captures them
-            self.engine.warm_up(sorted({1, self.engine.max_rows}))
+            # every batch size: a compiled step's graph is per batch size, and none may be captured mid-serving
+            self.engine.warm_up(list(range(1, self.engine.max_rows + 1)))
         except BaseException as error:
             self.warm_up_error = error
             self.stopping.set()

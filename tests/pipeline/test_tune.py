@@ -155,3 +155,24 @@ def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
         "decode.tree.total_tokens=6",
     ):
         assert reusable_tuning(load_config(TINY, [*same, changed]), draft_dir) is None, changed
+
+
+def test_tuning_decodes_compiled_targets_outside_inference_mode():
+    """Compiled decode steps cannot take inference tensors (griffin.static): tune-tree's greedy reference
+    and the batch-policy measurement let the engine choose its own mode. A stand-in compiled step (the
+    eager forward, checking the mode it is called in) stands for the real graph."""
+    from griffin.replay import greedy_reference
+    from pipeline.evaluate.batch_policy import measure_policy
+    from tests.conftest import make_target
+
+    target = make_target("llama")
+    modes: list[bool] = []
+
+    def compiled_step(*args):
+        modes.append(torch.is_inference_mode_enabled())
+        return target._forward(*args)
+
+    target.compiled_forward = compiled_step
+    greedy_reference(target, torch.tensor([[5, 6, 7]]), 6, 2, stop_token_ids=[])
+    measure_policy(target, None, [[5, 6, 7], [8, 9]], [], [1, 2], 4, reps=1)
+    assert modes and not any(modes)
