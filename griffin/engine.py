@@ -192,7 +192,7 @@ class BatchEngine:
     def step(self) -> None:
         with decode_mode(self.compiled), decode_attention(self.target.device):
             self._drop_cancelled_waiting()
-            if self.waiting and len(self.rows) < self.max_rows:
+            while self.waiting and len(self.rows) < self.max_rows:  # a burst joins in one round
                 with self.lock:
                     row = self.waiting.popleft()
                 self._admit(row)
@@ -247,9 +247,8 @@ class BatchEngine:
             self.draft_cache.ensure_capacity(2 * self.cache.capacity)
 
     def _load(self) -> int:
-        """The batch size the policy sees: active rows plus those waiting for a slot. A burst is
-        admitted one prefill per round; counting it whole keeps the first rows from drafting (slower
-        rounds) while the rest wait to join a batch that will decode plainly anyway."""
+        """The batch size the policy sees: active rows plus those waiting for a slot (a burst beyond the
+        free slots), so that rows about to have company do not start drafting for a batch of one."""
         with self.lock:
             return min(self.max_rows, len(self.rows) + len(self.waiting))
 
