@@ -84,8 +84,8 @@ def test_store_equals_direct_forward(featurized):
     """Every stored row: ids and mask as templated, features == the target's own forward (bf16)."""
     cfg, summary, _ = featurized
     assert (
-        summary["complete"] and summary["rows"] == 14 and summary["files"] == 7
-    )  # 2 rows a part: 14 / 8 actors' share
+        summary["complete"] and summary["rows"] == 14 and summary["files"] == 8
+    )  # 2 rows a part (14 / 8 actors' share): 13 training rows in 7 parts, the 1 held-out row in its own
     target = load_target(cfg.target)
     rows = stored_rows(cfg.store_path)
     for record in map(conversation, range(14)):
@@ -210,13 +210,13 @@ def test_an_actor_killed_after_renaming_its_part_leaves_every_sample_once(data, 
     names = sorted(p.name for p in Path(cfg.store_path).glob("part-*.parquet"))
     manifest = st.read_manifest(cfg.store_path)
     assert summary["complete"] and names == sorted(f["file"] for f in manifest["files"])
-    assert [part_index(n) for n in names] == list(range(7))  # one file per planned part, in plan order
+    assert [part_index(n) for n in names] == list(range(8))  # one file per planned part, in plan order
     ids = [row["sample_id"] for row in st.iter_rows(st.part_files(cfg.store_path))]
     assert len(ids) == len(set(ids)) == 14 and manifest["totals"]["rows"] == 14
     assert verify_store(cfg.store_path) == []
     monkeypatch.delenv(KILL_ENV)
     rerun = run_featurize(cfg)
-    assert rerun["new_rows"] == 0 and rerun["rows"] == 14 and rerun["files"] == 7
+    assert rerun["new_rows"] == 0 and rerun["rows"] == 14 and rerun["files"] == 8
 
 
 def test_a_repeated_part_is_refused_by_training_and_repaired(featurized, data, tmp_path, capsys):
@@ -241,12 +241,12 @@ def test_a_repeated_part_is_refused_by_training_and_repaired(featurized, data, t
     assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store)]) == 2
     assert "repeated rows" in capsys.readouterr().err
     assert main(["featurize", "-c", "jobs/configs/tiny.yaml", "--verify", str(store), "--repair"]) == 0
-    assert len(list(store.glob("part-*.parquet"))) == 7 and verify_store(str(store)) == []
+    assert len(list(store.glob("part-*.parquet"))) == 8 and verify_store(str(store)) == []
     assert run_train(copy)["stages"] == []  # the store passes training's checks
     orphan = store / "part-0a1b2c3e-00000.parquet"  # the same rows again, never recorded: a rerun finds it
     shutil.copy(st.part_files(copy.store_path)[0], orphan)
     summary = run_featurize(copy)
-    assert summary["new_rows"] == 0 and summary["rows"] == 14 and summary["files"] == 7 and not orphan.exists()
+    assert summary["new_rows"] == 0 and summary["rows"] == 14 and summary["files"] == 8 and not orphan.exists()
 
 
 @pytest.mark.slow
