@@ -133,6 +133,7 @@ class BatchEngine:
         if self.compiled:  # CUDA graphs write these buffers in place; sized for the whole context, they never move
             mark_static(self.cache.buffers() + (self.draft_cache.buffers() if self.draft_cache is not None else []))
         self.rounds, self.last_batch = 0, 0
+        self.failed: BaseException | None = None  # fail_all's error: later requests end with it at once
 
     # ---- requests ----
     def submit(self, request: DecodeRequest) -> Row:
@@ -140,8 +141,12 @@ class BatchEngine:
         stop = set(self.target.stop_token_ids if request.stop_token_ids is None else request.stop_token_ids)
         row = Row(request, stop)
         with self.lock:
-            self.waiting.append(row)
-            self.lock.notify_all()
+            if self.failed is None:
+                self.waiting.append(row)
+                self.lock.notify_all()
+                return row
+        row.error = self.failed  # the engine stopped (fail_all) before this request could join
+        self._finish(row, "stop")
         return row
 
     def cancel(self, row: Row) -> None:
@@ -162,7 +167,7 @@ class BatchEngine:
         """End every active and waiting row with ``error``: the engine cannot go on, and its caller
         stops stepping it (its caches are left as they are)."""
         with self.lock:
-            rows, self.rows, self.waiting = [*self.rows, *self.waiting], [], deque()
+            rows, self.rows, self.waiting, self.failed = [*self.rows, *self.waiting], [], deque(), error
         for row in rows:
             row.error = row.error or error
             self._finish(row, "stop")

@@ -225,3 +225,5 @@ def test_fail_all_ends_every_active_and_waiting_row():
     failure = RuntimeError("the device went away")
     engine.fail_all(failure)
     assert all(row.done.is_set() and row.error is failure for row in rows) and not engine.busy
+    late = engine.submit(DecodeRequest(_prompts(1)[0], GREEDY, 5, stop_token_ids=[]))
+    assert late.done.is_set() and late.error is failure  # a request after the failure never waits
