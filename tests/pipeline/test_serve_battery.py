@@ -160,6 +160,7 @@ def server(tmp_path_factory, ray_local):
         f"serve.max_body_bytes={BODY_LIMIT}",
         f"serve.retry_after_s={RETRY_AFTER}",
         f"target.tiny.max_position_embeddings={CONTEXT}",
+        f"decode.max_context={CONTEXT}",  # above the 8192 default cap
     ) as deployment:
         yield deployment
 

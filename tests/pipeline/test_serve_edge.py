@@ -12,7 +12,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from tests.conftest import tiny_deployment
+from tests.conftest import first_content, tiny_deployment
 
 from pipeline.config import load_config
 from pipeline.serve.auth import KeyCheck, client_headers, key_digest, require_key
@@ -216,7 +216,9 @@ def test_sigterm_drains_running_streams_then_exits_zero(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "pipeline.cli", "serve", "-c", str(TINY), f"output_dir={tmp_path}"]
     command += [f"serve.port={port}", "serve.drain_s=120", "target.tiny.max_position_embeddings=16384"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command += ["decode.max_context=16384"]
+    # its own Ray, and no API key (a keyed deployment of this module may have one in the environment)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "GRIFFIN_API_KEY")}
     server = subprocess.Popen(
         command, cwd=TINY.parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -230,9 +232,9 @@ def test_sigterm_drains_running_streams_then_exits_zero(tmp_path):
             time.sleep(0.5)
         long = {"messages": [{"role": "user", "content": "A long one."}], "max_tokens": 6000, "temperature": 0}
         with client.stream("POST", CHAT, json={**long, "stream": True}) as stream:
+            assert stream.status_code == 200, stream.read()
             lines = stream.iter_lines()
-            while '"content": "' not in (line := next(lines)) or '"content": ""' in line:
-                pass
+            first_content(lines)  # the decode is running
             server.send_signal(signal.SIGTERM)
             refused = None
             while refused is None or refused.status_code != 503:

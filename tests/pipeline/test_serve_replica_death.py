@@ -45,7 +45,10 @@ DECODER = "SpeculativeDecoder"  # the decoder's Serve deployment
 def server(tmp_path_factory, ray_local):
     """The deployment, its target's context raised to CONTEXT (same weights: the draft's lineage holds)."""
     with tiny_deployment(
-        tmp_path_factory.mktemp("death"), "serve.retry_after_s=3", f"target.tiny.max_position_embeddings={CONTEXT}"
+        tmp_path_factory.mktemp("death"),
+        "serve.retry_after_s=3",
+        f"target.tiny.max_position_embeddings={CONTEXT}",
+        f"decode.max_context={CONTEXT}",  # above the 8192 default cap
     ) as deployment:
         yield deployment
 
