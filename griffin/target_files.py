@@ -68,8 +68,7 @@ def locate_without_download(path: str, name: str, revision: str | None = None) -
     """Whether the target has file ``name``, without downloading it: its local path (a directory's file
     or a cached hub file), the hub's ETag when the hub has it uncached, or None."""
     if is_local(path):
-        found = Path(path).expanduser() / name
-        return str(found) if found.is_file() else None
+        return locate(path, name, optional=True)
     cached = _cached(path, name, revision)
     return cached if cached is not None else _hub_etag(path, name, revision)
 

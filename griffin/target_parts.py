@@ -25,9 +25,9 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from griffin.families import AttentionLayout
-from griffin.target_files import locate
+from griffin.target_files import WEIGHT_LAYOUTS, locate
 
-INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+SINGLE, INDEX = WEIGHT_LAYOUTS[0]  # the safetensors pair
 
 
 class PartsUnreadable(LookupError):
@@ -88,15 +88,21 @@ def _backbone(norm: nn.Module | None, layers: list[nn.Module | None]) -> nn.Modu
     return backbone
 
 
+def meta_model(path: str, revision: str | None = None) -> tuple[Any, nn.Module]:
+    """(config, model on the meta device) of a local directory or an HF hub id: the target's shapes and
+    parameter names, no memory, no weights read; its family refused as loading it would refuse it."""
+    config = AutoConfig.from_pretrained(path, revision=revision)
+    AttentionLayout.of(config)
+    with torch.device("meta"):
+        return config, AutoModelForCausalLM.from_config(config)
+
+
 def read_target_parts(
     path: str, dtype: torch.dtype, device: str = "cpu", layer: int | None = None, revision: str | None = None
 ) -> TargetParts:
     """``path``: a local directory or an HF hub id (``griffin.assets.resolve_target_path``); the family
     is checked as for the whole target. Tensors are cast to ``dtype`` on ``device``."""
-    config = AutoConfig.from_pretrained(path, revision=revision)
-    AttentionLayout.of(config)  # the same refusal as loading the target
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    config, skeleton = meta_model(path, revision)
     names = {id(p): n for n, p in skeleton.named_parameters()}  # a tied tensor: its first name, as saved
     embed = skeleton.get_input_embeddings().weight
     head = skeleton.get_output_embeddings().weight

@@ -23,11 +23,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
 
 from griffin.target import TargetAdapter, stop_token_ids
 from griffin.target_files import files_sha256
-from griffin.target_parts import HeadShaped
+from griffin.target_parts import HeadShaped, meta_model
 from pipeline.config import TargetSection
 
 logger = logging.getLogger(__name__)
@@ -42,22 +41,18 @@ class TargetIdentity(HeadShaped):
     skeleton on the meta device (its embedding, head and layers have shapes and no memory)."""
 
     def __init__(self, section: TargetSection):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer, GenerationConfig
 
         from griffin.assets import resolve_target_path
-        from griffin.families import AttentionLayout
 
         self.section, self.name, self.revision = section, section.name, section.revision
         self.files = resolve_target_path(section.name, section.revision)
-        self.hf_config = AutoConfig.from_pretrained(self.files, revision=self.revision)
-        AttentionLayout.of(self.hf_config)  # refused here as loading it would refuse it
+        self.hf_config, skeleton = meta_model(self.files, self.revision)  # refused here as loading would
         self.tokenizer = AutoTokenizer.from_pretrained(self.files, revision=self.revision)
         try:
             self.generation_config = GenerationConfig.from_pretrained(self.files, revision=self.revision)
         except OSError:  # no generation_config.json: the model config's ids only
             self.generation_config = None
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(self.hf_config)
         self.embed_weight = skeleton.get_input_embeddings().weight  # (V, D), meta
         self.head_weight = skeleton.get_output_embeddings().weight  # (V, D), meta
         self.backbone = skeleton.get_decoder()
