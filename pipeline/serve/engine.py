@@ -21,7 +21,7 @@ import torch
 from griffin.capacity import check_rows_fit
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, LogprobRecorder
-from griffin.engine import BatchEngine, DecodeRequest, Row, SpeculationPolicy
+from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
 from pipeline.serve.errors import engine_failed
@@ -95,12 +95,6 @@ class ReplicaEngine:
         self.failure = error
         self.engine.fail_all(engine_failed(error, self.retry_after_s))
 
-    def submit(self, request: DecodeRequest) -> Row:
-        """A request joins the engine; refused (503) once the engine has failed."""
-        if self.failure is not None:
-            raise engine_failed(self.failure, self.retry_after_s)
-        return self.engine.submit(request)
-
     def close(self) -> None:
         self.stopping.set()
 
@@ -140,7 +134,7 @@ async def stream_rounds(
             raise StopDecoding
 
     request.on_tokens, request.on_done = on_tokens, post
-    row = engine.submit(request)
+    row = engine.engine.submit(request)  # once the engine has failed, the row comes back ended with a 503
     try:
         while isinstance(item := await queue.get(), str):
             yield item

@@ -108,13 +108,14 @@ def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids
     return {"train": dataset(False), **({"eval": dataset(True)} if eval_ids else {})}
 
 
-def online_needs(cfg: RunConfig) -> dict[str, float]:
-    """The CPUs and GPUs an online stage holds at once: the training workers and the feature actors."""
-    workers, actors = cfg.train.num_workers, cfg.features.num_actors
-    return {
-        "CPU": workers * cfg.train.cpus_per_worker + actors * cfg.features.cpus_per_actor,
-        "GPU": workers * float(cfg.train.use_gpu) + actors * cfg.features.gpus_per_actor,
+def online_bundles(cfg: RunConfig) -> list[dict[str, float]]:
+    """The resources an online stage holds at once: a bundle per training worker and per feature actor."""
+    worker = {"CPU": cfg.train.cpus_per_worker, **({"GPU": 1.0} if cfg.train.use_gpu else {})}
+    actor = {
+        "CPU": cfg.features.cpus_per_actor,
+        **({"GPU": cfg.features.gpus_per_actor} if cfg.features.gpus_per_actor else {}),
     }
+    return [worker] * cfg.train.num_workers + [actor] * cfg.features.num_actors
 
 
 def check_online_fits(cfg: RunConfig, wait_s: float) -> None:
@@ -126,17 +127,14 @@ def check_online_fits(cfg: RunConfig, wait_s: float) -> None:
     import ray
     from ray.autoscaler.sdk import request_resources
 
-    worker = {"CPU": cfg.train.cpus_per_worker, **({"GPU": 1.0} if cfg.train.use_gpu else {})}
-    actor = {
-        "CPU": cfg.features.cpus_per_actor,
-        **({"GPU": cfg.features.gpus_per_actor} if cfg.features.gpus_per_actor else {}),
-    }
-    request_resources(bundles=[worker] * cfg.train.num_workers + [actor] * cfg.features.num_actors)
+    bundles = online_bundles(cfg)
+    needs = {key: sum(bundle.get(key, 0.0) for bundle in bundles) for key in ("CPU", "GPU")}
+    request_resources(bundles=bundles)
     deadline = time.monotonic() + wait_s
     try:
         while True:
             have = ray.cluster_resources()
-            short = {k: (n, have.get(k, 0.0)) for k, n in online_needs(cfg).items() if n > have.get(k, 0.0)}
+            short = {k: (n, have.get(k, 0.0)) for k, n in needs.items() if n > have.get(k, 0.0)}
             if not short:
                 return
             if time.monotonic() >= deadline:
