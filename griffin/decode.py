@@ -167,7 +167,7 @@ def vanilla_generate(
     input_ids: Tensor,
     sampling: SamplingConfig,
     max_new_tokens: int,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
     stop_token_ids: list[int] | None = None,
     on_tokens: TokenCallback | None = None,
     logprobs: LogprobRecorder | None = None,
@@ -177,7 +177,7 @@ def vanilla_generate(
     (streaming); ``logprobs`` records the target's log-probabilities of the emitted tokens (see
     ``LogprobRecorder``)."""
     return _decode_one(
-        target, None, input_ids, None, sampling, max_new_tokens, generator, stop_token_ids, on_tokens, logprobs
+        target, None, input_ids, None, sampling, max_new_tokens, seed, stop_token_ids, on_tokens, logprobs
     )
 
 
@@ -188,30 +188,28 @@ def speculative_generate(
     tree: TreeConfig,
     sampling: SamplingConfig,
     max_new_tokens: int,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
     stop_token_ids: list[int] | None = None,
     on_tokens: TokenCallback | None = None,
     logprobs: LogprobRecorder | None = None,
 ) -> GenerationResult:
     """Lossless GRIFFIN speculative decoding (docs/method.md §4-5): the batching engine with one
     request and ``tree`` (a round: draft a tree, verify it in one target pass, accept a path, compact
-    the target KV, append, stop check). ``generator`` seeds T>0 sampling; ``on_tokens`` is called
+    the target KV, append, stop check). ``seed`` keys T>0 sampling (griffin.verify); ``on_tokens`` is called
     with each round's committed tokens (streaming); ``logprobs`` records the target's
     log-probabilities of the emitted tokens from the verification logits of the accepted path (no
     extra target pass; see ``LogprobRecorder``)."""
     return _decode_one(
-        target, draft, input_ids, tree, sampling, max_new_tokens, generator, stop_token_ids, on_tokens, logprobs
+        target, draft, input_ids, tree, sampling, max_new_tokens, seed, stop_token_ids, on_tokens, logprobs
     )
 
 
-def _decode_one(
-    target, draft, input_ids, tree, sampling, max_new_tokens, generator, stop_token_ids, on_tokens, logprobs
-):
+def _decode_one(target, draft, input_ids, tree, sampling, max_new_tokens, seed, stop_token_ids, on_tokens, logprobs):
     """One request through the engine, alone: the same code path as a batch of one in a replica."""
     from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
 
     _check_request(target, input_ids, max_new_tokens)
     request = DecodeRequest(
-        input_ids[0].tolist(), sampling, max_new_tokens, generator, stop_token_ids, True, on_tokens, logprobs
+        input_ids[0].tolist(), sampling, max_new_tokens, seed, stop_token_ids, True, on_tokens, logprobs
     )
     return generate_batch(target, draft, [request], SpeculationPolicy({1: tree}))[0]

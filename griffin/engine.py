@@ -7,13 +7,14 @@ Each ``step()``:
   waiting for a slot (``None``: plain decoding, one token per row, the draft idle);
 - drafts every row's tree in one batched draft pass per level, verifies every row's tree in one
   batched target pass (trees padded to the widest; see griffin.rows for per-row lengths);
-- accepts per row, with the row's own ``SamplingConfig`` and generator (griffin.verify), and hands
-  each row its committed tokens (``on_tokens``);
+- accepts every row at once, each with its own ``SamplingConfig`` and position-keyed draws
+  (griffin.verify), and hands each row its committed tokens (``on_tokens``);
 - retires rows that finished, hit a stop token or were cancelled, freeing their slots at once.
 
 Lossless per request: a row's logits are those of its own prefix and tree (masked per row), so T=0
 output is the target's greedy output, and T>0 samples from the target's law with the row's own
-generator. Shape legend: B active rows, N tree nodes, D_f target features, V vocab.
+seed: its token at output index i is a function of u(seed, i) and the target's law there, so a
+seeded request decodes the same text alone or batched, drafting or plain. Shape legend: B active rows, N tree nodes, D_f target features, V vocab.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from griffin.rows import RowCache, row_mask
 from griffin.static import MIN_BUCKET, decode_mode, mark_static
 from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import DraftTree, catch_up_rows, draft_rows, root_tree
-from griffin.verify import next_token, verify
+from griffin.verify import RowSampling, Walked, choose, position_uniforms, walk
 
 ROOT_ONLY = TreeConfig(total_tokens=1, depth=1, top_k=1)
 
@@ -77,7 +78,7 @@ class DecodeRequest:
     prompt: list[int]
     sampling: SamplingConfig
     max_new_tokens: int
-    generator: torch.Generator | None = None  # seeds T>0 sampling; on the target's device
+    seed: int | None = None  # keys T>0 sampling (griffin.verify.position_uniforms); None: a fresh one
     stop_token_ids: list[int] | None = None  # None: the target's
     speculative: bool = True  # False: this request never drafts (A/B through one endpoint)
     on_tokens: TokenCallback | None = None  # each round's committed tokens; raising ends the request
@@ -91,6 +92,7 @@ class Row:
 
     request: DecodeRequest
     stop: set[int]
+    seed: int  # the request's, or a fresh one drawn at submit
     out: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     # committed positions the draft has not seen, a (T_i, D_f) run per round, and the token after each
@@ -107,6 +109,10 @@ class Row:
     @property
     def root(self) -> int:
         return self.out[-1]
+
+    def uniforms(self, count: int) -> list[float]:
+        """The draws for this row's next ``count`` output positions (griffin.verify.position_uniforms)."""
+        return position_uniforms(self.seed, len(self.out), count)
 
 
 class BatchEngine:
@@ -139,7 +145,10 @@ class BatchEngine:
     def submit(self, request: DecodeRequest) -> Row:
         _check_request(self.target, torch.tensor([request.prompt]), request.max_new_tokens)
         stop = set(self.target.stop_token_ids if request.stop_token_ids is None else request.stop_token_ids)
-        row = Row(request, stop)
+        # an unseeded request's seed comes from torch's global generator: random per process, and
+        # reproducible where a caller seeds it (torch.manual_seed)
+        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()))
+        row = Row(request, stop, seed)
         with self.lock:
             if self.failed is None:
                 self.waiting.append(row)
@@ -227,12 +236,13 @@ class BatchEngine:
         ids = torch.tensor([req.prompt], device=device)  # (1, T)
         starts, _ = self.cache.slots.begin(slot, slot + 1, ids.shape[1])
         positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
-        try:  # its prompt or its sampling failing ends this row only
+        try:  # its prompt failing ends this row only
             features, logits = self.target.forward(
                 ids, self.cache, positions, all_logits=False, feature_layers=self.layers
             )  # (1, T, D_f), (1, 1, V)
             self.cache.slots.lengths[slot] += ids.shape[1]
-            token = next_token(logits[0, -1], req.sampling, req.generator)
+            rows = RowSampling.of([req.sampling], logits.shape[-1], device)
+            token = int(choose(logits[0, -1:], rows, torch.tensor(row.uniforms(1), dtype=torch.float64, device=device)))
         except Exception as error:
             row.error = error
             return
@@ -267,25 +277,23 @@ class BatchEngine:
         if trees is None:
             roots = torch.tensor([row.root for row in rows], device=device)
             trees = [root_tree(roots[b : b + 1]) for b in range(len(rows))]
+        batch = _TreeBatch.of(trees, device)
         with record_function("griffin.verify_forward"):
-            features, logits = self._verify_forward(trees)  # (B, N, D_f), (B, N, V)
-        paths = self._accept_and_commit(trees, logits)
+            features, logits = self._verify_forward(batch)  # (B, N, D_f), (B, N, V)
+        walks = self._accept_and_commit(batch, logits, tree.depth if tree is not None else 0)
         end = device_time(device)
         self.rounds, self.last_batch = self.rounds + 1, len(rows)
-        for b, (row, tree_b, path) in enumerate(zip(rows, trees, paths)):
-            if row.error is not None:  # its sampling failed: it leaves at this round's end, with nothing
-                continue
+        for b, (row, tree_b, walked) in enumerate(zip(rows, trees, walks)):
             row.stats.draft_time += mid - start
             row.stats.verify_time += end - mid
             row.stats.round_seconds.append((mid - start, end - mid))
             row.stats.rounds += 1
-            row.stats.accepted_per_round.append(len(path) - 2)
+            row.stats.accepted_per_round.append(walked.accept_len)
             row.stats.drafted_per_round.append(tree_b.size - 1)
-            committed = tree_b.tokens[torch.tensor(path[1:-1], dtype=torch.long)].tolist() + [path[-1]]
-            self._pend(row, features[b, torch.tensor(path[:-1], device=device)], committed)
+            accepted = torch.tensor(walked.nodes, device=device)
+            self._pend(row, features[b, accepted], walked.tokens)
             lp = row.request.logprobs
-            accepted = torch.tensor(path[:-1], device=device)
-            self._deliver(row, committed, lambda lp=lp, a=accepted, b=b, c=committed: lp.score(logits[b, a], c))
+            self._deliver(row, walked.tokens, lambda lp=lp, a=accepted, b=b, c=walked.tokens: lp.score(logits[b, a], c))
 
     def _draft(self, tree: TreeConfig) -> list[DraftTree]:
         """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
@@ -306,37 +314,29 @@ class BatchEngine:
             trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree, self.compiled)
         return [t if row.request.speculative else root_tree(t.tokens[:1]) for row, t in zip(rows, trees)]
 
-    def _verify_forward(self, trees: list[DraftTree]) -> tuple[Tensor, Tensor]:
+    def _verify_forward(self, batch: "_TreeBatch") -> tuple[Tensor, Tensor]:
         """One target pass over every row's tree, padded to the widest: a padding node sees only itself."""
-        B, N, device = len(trees), max(t.size for t in trees), self.target.device
-        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-        depths = torch.zeros(B, N, dtype=torch.long, device=device)
-        block = torch.eye(N, dtype=torch.bool, device=device).repeat(B, 1, 1)  # (B, N, N)
-        for b, t in enumerate(trees):
-            tokens[b, : t.size], depths[b, : t.size] = t.tokens, t.depths
-            block[b, : t.size, : t.size] = t.mask
+        B, N = batch.tokens.shape
         starts, width = self.cache.slots.begin(0, B, N, static=self.compiled)
         # one token per row at a common length: transformers' own causal mask is exact (and cheaper);
         # never when compiled (uniform is then False): its size would come from Python-side lengths
-        mask = None if N == 1 and self.cache.slots.uniform else row_mask(starts, block, width)  # (B, N, W)
+        mask = None if N == 1 and self.cache.slots.uniform else row_mask(starts, batch.mask, width)  # (B, N, W)
         return self.target.forward(
-            tokens, self.cache, starts[:, None] + depths, mask, feature_layers=self.layers, compiled=self.compiled
-        )
+            batch.tokens, self.cache, starts[:, None] + batch.depths, mask, feature_layers=self.layers,
+            compiled=self.compiled,
+        )  # fmt: skip
 
-    def _accept_and_commit(self, trees: list[DraftTree], logits: Tensor) -> list[list[int]]:
-        """Per row: the accepted nodes (root first) then the next token, as [0, a1, .., aA, next];
-        the target KV keeps each row's accepted path."""
-        paths = []
+    def _accept_and_commit(self, batch: "_TreeBatch", logits: Tensor, depth: int) -> list[Walked]:
+        """Every row's walk (griffin.verify.walk), all rows at once with their own sampling and draws
+        (trees at most ``depth`` deep); the target KV keeps each row's accepted path."""
+        device = logits.device
         with record_function("griffin.accept"):
-            for b, (row, t) in enumerate(zip(self.rows, trees)):
-                try:  # a row's own sampling (its settings, its generator) failing ends that row only
-                    result = verify(t, logits[b, : t.size], row.request.sampling, row.request.generator)
-                except Exception as error:
-                    row.error, result = error, None
-                paths.append([0, row.root] if result is None else result.accepted_nodes + [result.next_token])
+            rows = RowSampling.of([row.request.sampling for row in self.rows], logits.shape[-1], device)
+            uniforms = torch.tensor([row.uniforms(depth + 1) for row in self.rows], dtype=torch.float64)
+            walks = walk(batch.tokens, batch.parents, logits, rows, uniforms.to(device))
         with record_function("griffin.commit"):
-            self.cache.keep_paths(0, [p[:-1] for p in paths], max(t.size for t in trees))
-        return paths
+            self.cache.keep_paths(0, [w.nodes for w in walks], batch.tokens.shape[1])
+        return walks
 
     def _pend(self, row: Row, features: Tensor, committed: list[int]) -> None:
         """Queue the round's committed pairs for the draft's next catch-up."""
@@ -373,6 +373,29 @@ class BatchEngine:
         row.done.set()
         if row.request.on_done is not None:
             row.request.on_done(row)
+
+
+@dataclass
+class _TreeBatch:
+    """A round's trees stacked, padded to the widest (N): a padding node has token 0, depth 0, no
+    parent (-2: never a child of any node) and sees only itself."""
+
+    tokens: Tensor  # (B, N)
+    depths: Tensor  # (B, N)
+    parents: Tensor  # (B, N); -1 for a root
+    mask: Tensor  # (B, N, N) bool: node i and its ancestors
+
+    @classmethod
+    def of(cls, trees: list[DraftTree], device: torch.device) -> "_TreeBatch":
+        B, N = len(trees), max(t.size for t in trees)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        depths = torch.zeros(B, N, dtype=torch.long, device=device)
+        parents = torch.full((B, N), -2, dtype=torch.long, device=device)
+        mask = torch.eye(N, dtype=torch.bool, device=device).repeat(B, 1, 1)
+        for b, t in enumerate(trees):
+            tokens[b, : t.size], depths[b, : t.size], parents[b, : t.size] = t.tokens, t.depths, t.parents
+            mask[b, : t.size, : t.size] = t.mask
+        return cls(tokens, depths, parents, mask)
 
 
 def generate_batch(

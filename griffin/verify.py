@@ -1,19 +1,19 @@
-"""Lossless verification of a draft tree against the target (docs/method.md §5).
+"""Lossless verification of draft trees against the target, every row of a batch at once (docs/method.md §5).
 
-Terminology (as in vLLM's rejection sampler):
-- accepted: draft tokens on the chosen root-to-node path that the target keeps;
-- recovered: when every child of the last accepted node is rejected, the token sampled from the
-  residual distribution (the target's, with the rejected children's mass removed);
-- bonus: when the walk reaches a leaf, the token sampled from the target at that leaf.
-Either way one extra target token ends each round (``next_token``), so a round commits
-``accept_len + 1`` tokens.
+Sampling is keyed by position. A request's token at output index i is drawn from the target's
+warped law at that position by the inverse CDF of one uniform u(seed, i) (``position_uniforms``);
+at T=0 it is the argmax. The draft's trees are deterministic (top-k), so EAGLE-2's recursive
+rejection ("accept child c with probability p(c), else remove it and renormalise", children in
+rank order) has the law of "draw x from p; follow the child whose token is x, else emit x". The
+walk does the latter. So a seeded request's tokens are a fixed function of its seed and the
+target's distributions: the same alone or batched, speculative or plain, with any tree (exactly
+where the logits are equal), with the acceptance rate of recursive rejection.
 
-The draft proposal is deterministic (top-k beam), i.e. q(c) = 1 for the child being tried, so
-"accept with probability min(1, p(c)/q(c)) = p(c), else zero p(c) and renormalise" over the
-children in rank order samples exactly from p (EAGLE-2). The warper (temperature, top-k, top-p)
-is applied on every branch, including the leaf bonus (EAGLE's fixed version; §5.6 bug note).
+Terms (as in vLLM's rejection sampler): the accepted tokens are the draft tokens on the walked
+path; the round's extra target token (``next``) is the recovered token when no child of the last
+accepted node matches, or the bonus token after a leaf. A round commits ``accept_len + 1`` tokens.
 
-Shape legend: N tree nodes, V vocab.
+Shape legend: B rows, N tree nodes, V vocab, D the deepest tree's depth.
 """
 
 from __future__ import annotations
@@ -24,91 +24,127 @@ import torch
 from torch import Tensor
 
 from griffin.config import SamplingConfig
-from griffin.tree import DraftTree
+
+MASK64 = (1 << 64) - 1
+GOLDEN64 = 0x9E3779B97F4A7C15
 
 
 @dataclass
-class VerifyResult:
-    accepted_nodes: list[int]  # tree node indices, root first: [0, a1, ..., aA]
-    next_token: int  # recovered or bonus token sampled from the target
+class Walked:
+    """One row's round: ``nodes`` = [0, a1, .., aA] (the root, then the accepted nodes) and
+    ``tokens`` = the A + 1 tokens it commits (the accepted ones, then the recovered or bonus one)."""
+
+    nodes: list[int]
+    tokens: list[int]
 
     @property
     def accept_len(self) -> int:
-        return len(self.accepted_nodes) - 1
+        return len(self.nodes) - 1
 
 
-def warp_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
-    """logits (..., V) -> probabilities (..., V) after temperature, top-k then top-p (HF order)."""
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k and sampling.top_k < logits.shape[-1]:
-        kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]  # (..., 1)
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Steele et al., 2014): a bijection of 64-bit integers."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def position_uniforms(seed: int, start: int, count: int) -> list[float]:
+    """u(seed, i) in [0, 1) for output positions i in [start, start + count), 53 bits each.
+    Counter-based (the SplitMix64 stream of the seed's key, read at position i), so any
+    position's draw is known without drawing the ones before it."""
+    key = _mix64((seed + GOLDEN64) & MASK64)
+    return [(_mix64((key + (i + 1) * GOLDEN64) & MASK64) >> 11) * 2.0**-53 for i in range(start, start + count)]
+
+
+@dataclass
+class RowSampling:
+    """The sampling settings of B rows as tensors on the device. A greedy row's warper entries are
+    unused; a warper that is off holds a value that keeps every token."""
+
+    greedy: Tensor  # (B,) bool
+    temperature: Tensor  # (B, 1) float32; 1 for greedy rows
+    top_k: Tensor  # (B, 1) long; 0: off
+    top_p: Tensor  # (B, 1) float32; inf: off (the mass before a token never reaches it)
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def of(cls, samplings: list[SamplingConfig], vocab: int, device: torch.device | str) -> "RowSampling":
+        top_ks = [s.top_k if s.top_k and s.top_k < vocab and not s.greedy else 0 for s in samplings]
+        top_ps = [s.top_p if s.top_p < 1.0 and not s.greedy else float("inf") for s in samplings]
+        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
+        return cls(
+            greedy=torch.tensor([s.greedy for s in samplings], device=device),
+            temperature=column([1.0 if s.greedy else s.temperature for s in samplings], torch.float32),
+            top_k=column(top_ks, torch.long),
+            top_p=column(top_ps, torch.float32),
+            all_greedy=all(s.greedy for s in samplings),
+            any_top_k=any(top_ks),
+            any_top_p=any(p < 1.0 for p in top_ps),
+        )
+
+
+def warp_rows(logits: Tensor, rows: RowSampling) -> Tensor:
+    """logits (B, V) -> probabilities (B, V): each row's temperature, then top-k, then top-p
+    (transformers' order), with that row's settings."""
+    logits = logits.float() / rows.temperature
+    if rows.any_top_k:
+        top = logits.topk(int(rows.top_k.max()), dim=-1).values  # (B, K)
+        kth = top.gather(-1, (rows.top_k - 1).clamp(min=0))  # (B, 1)
+        kth = torch.where(rows.top_k > 0, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
+    if rows.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        sorted_probs = sorted_logits.softmax(-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= sampling.top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
 
 
-def sample_one(probs: Tensor, generator: torch.Generator | None) -> int:
-    """probs (V,) -> one token id."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+def warp_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """logits (..., V) -> probabilities (..., V) under one T>0 ``sampling``: ``warp_rows`` for every row."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (R, V)
+    rows = RowSampling.of([sampling] * flat.shape[0], flat.shape[-1], flat.device)
+    return warp_rows(flat, rows).reshape(logits.shape)
 
 
-def next_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
-    """The target's own choice from one position's logits (V,): argmax at T=0, else a sample."""
-    if sampling.greedy:
-        return int(logits.argmax())
-    return sample_one(warp_probs(logits, sampling), generator)
+def choose(logits: Tensor, rows: RowSampling, uniforms: Tensor) -> Tensor:
+    """The target's token for each row at one position, logits (B, V) -> (B,): a greedy row's
+    argmax, else the inverse CDF of the row's warped law at its uniform (B,) (float64)."""
+    argmax = logits.argmax(-1)
+    if rows.all_greedy:
+        return argmax
+    cdf = warp_rows(logits, rows).double().cumsum(-1)  # (B, V)
+    # the first token whose cumulative mass exceeds u * total: a token of probability 0 never is
+    sampled = torch.searchsorted(cdf, (uniforms[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
+    return torch.where(rows.greedy, argmax, sampled.clamp(max=logits.shape[-1] - 1))
 
 
-def verify_greedy(tree: DraftTree, target_logits: Tensor) -> VerifyResult:
-    """T=0: follow the child equal to the target's argmax while one exists (§5.5).
-    target_logits: (N, V). Child tokens under one parent are distinct, so the walk is unique and
-    commits exactly what greedy decoding of the target would."""
-    choice = target_logits.argmax(-1).tolist()  # (N,) target argmax after each node
-    tokens = tree.tokens.tolist()
-    node, path = 0, [0]
-    while True:
-        nxt = next((c for c in tree.children[node] if tokens[c] == choice[node]), None)
-        if nxt is None:
-            return VerifyResult(path, choice[node])
-        node = nxt
-        path.append(node)
+def walk(tokens: Tensor, parents: Tensor, logits: Tensor, rows: RowSampling, uniforms: Tensor) -> list[Walked]:
+    """Every row's walk down its tree: the nodes it accepted and the tokens it commits.
 
-
-def verify_sampling(
-    tree: DraftTree, target_logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-) -> VerifyResult:
-    """T>0: recursive rejection sampling over the tree (§5.6). target_logits: (N, V)."""
-    tokens = tree.tokens.tolist()
-    node, path = 0, [0]
-    while True:
-        probs = warp_probs(target_logits[node], sampling)  # (V,)
-        accepted = None
-        for child in tree.children[node]:
-            token = tokens[child]
-            p_token = float(probs[token])
-            if float(torch.rand((), generator=generator, device=probs.device)) < p_token:
-                accepted = child
-                break
-            probs[token] = 0.0  # residual: remove the rejected child's mass and renormalise
-            total = probs.sum()
-            if total <= 0:  # float round-off only: the rejected token held all the mass
-                accepted = child
-                break
-            probs = probs / total
-        if accepted is None:
-            return VerifyResult(path, sample_one(probs, generator))
-        node = accepted
-        path.append(node)
-
-
-def verify(tree: DraftTree, target_logits: Tensor, sampling: SamplingConfig, generator=None) -> VerifyResult:
-    """``generator`` must live on the logits' device."""
-    if sampling.greedy:
-        return verify_greedy(tree, target_logits)
-    return verify_sampling(tree, target_logits, sampling, generator)
+    tokens, parents: (B, N) the trees (node 0 the root; a padding node's parent is -2);
+    logits: (B, N, V) the target's at each node; uniforms: (B, D + 1) float64, row b's draw for the
+    token after its depth-d node. At each depth the row's token is chosen from the current node's
+    logits and the walk follows the child holding it (siblings are distinct: at most one). All rows
+    advance together on the device; the walks reach the host in one transfer."""
+    B, depth = tokens.shape[0], uniforms.shape[1] - 1
+    batch = torch.arange(B, device=tokens.device)
+    node = torch.zeros(B, dtype=torch.long, device=tokens.device)  # (B,) the row's current node
+    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)  # the row reached this depth
+    nodes, chosen = [node], []
+    for d in range(depth + 1):
+        choice = choose(logits[batch, node], rows, uniforms[:, d])  # (B,)
+        chosen.append(torch.where(alive, choice, -1))
+        if d == depth:
+            break
+        match = (parents == node[:, None]) & (tokens == choice[:, None])  # (B, N)
+        alive = alive & match.any(-1)
+        node = torch.where(alive, match.long().argmax(-1), node)
+        nodes.append(torch.where(alive, node, -1))
+    host = torch.cat([torch.stack(nodes, 1), torch.stack(chosen, 1)], 1).tolist()  # (B, 2D + 2)
+    return [Walked([n for n in row[: depth + 1] if n >= 0], [t for t in row[depth + 1 :] if t >= 0]) for row in host]

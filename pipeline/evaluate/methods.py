@@ -44,13 +44,12 @@ def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None
     """Our decoder in this process: speculative with ``draft`` and ``tree``, vanilla without."""
 
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
-        generator = torch.Generator(device=target.device).manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
         start = time.perf_counter()
         if draft is None:
-            result = vanilla_generate(target, ids, sampling, max_new, generator)
+            result = vanilla_generate(target, ids, sampling, max_new, seed)
         else:
-            result = speculative_generate(target, draft, ids, tree, sampling, max_new, generator)
+            result = speculative_generate(target, draft, ids, tree, sampling, max_new, seed)
         seconds = time.perf_counter() - start
         text = completion_text(target.tokenizer, result.tokens, target.stop_token_ids, [])[0]
         if draft is None:

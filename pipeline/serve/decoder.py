@@ -273,9 +273,7 @@ class SpeculativeDecoder:
     async def _decode(self, job: "Job") -> AsyncIterator[str | GenerationResult]:
         """The job's decode as ``stream_rounds`` items, traced: progress for check_health, outcome,
         stats and metrics once it ends (abandoned decodes included)."""
-        request = decode_request(
-            job.req, job.prompt_ids, job.max_new, self._uses_draft(job.req), self.target.device, job.recorder
-        )
+        request = decode_request(job.req, job.prompt_ids, job.max_new, self._uses_draft(job.req), job.recorder)
         self.live.add(job.trace)
         outcome, result = "abandoned", None
         try:

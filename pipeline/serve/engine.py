@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from griffin.capacity import check_rows_fit
 from griffin.config import SamplingConfig
 from griffin.decode import GenerationResult, LogprobRecorder
@@ -250,12 +248,10 @@ def decode_request(
     prompt_ids: list[int],
     max_new: int,
     speculative: bool,
-    device: torch.device,
     logprobs: LogprobRecorder | None,
 ) -> DecodeRequest:
-    """A parsed request as the engine's ``DecodeRequest``: its sampling, its own seeded generator."""
+    """A parsed request as the engine's ``DecodeRequest``: its sampling and its seed."""
     # a temperature this small overflows logits / T; it means greedy (vLLM's cut-off too)
     temperature = req.temperature if req.temperature >= 1e-5 else 0.0
     sampling = SamplingConfig(temperature=temperature, top_p=req.top_p, top_k=req.top_k)
-    generator = None if req.seed is None else torch.Generator(device=device).manual_seed(req.seed)
-    return DecodeRequest(prompt_ids, sampling, max_new, generator, speculative=speculative, logprobs=logprobs)
+    return DecodeRequest(prompt_ids, sampling, max_new, req.seed, speculative=speculative, logprobs=logprobs)

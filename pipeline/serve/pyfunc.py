@@ -60,9 +60,9 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
         for prompt in prompts(model_input):
             prompt_ids = render_chat(self.target.tokenizer, [{"role": "user", "content": prompt}])
             max_new = min(int(settings.get("max_new_tokens", 64)), self.target.max_context - len(prompt_ids))
-            generator = torch.Generator(device=self.target.device).manual_seed(int(settings.get("seed", 0)))
+            seed = int(settings.get("seed", 0))
             ids = torch.tensor([prompt_ids], device=self.target.device)  # (1, T)
-            result = speculative_generate(self.target, self.draft, ids, self.tree, sampling, max_new, generator)
+            result = speculative_generate(self.target, self.draft, ids, self.tree, sampling, max_new, seed)
             texts.append(completion_text(self.target.tokenizer, result.tokens, self.target.stop_token_ids, [])[0])
         return texts
 

@@ -25,8 +25,10 @@ from torch import Tensor
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from griffin.config import SamplingConfig
+from griffin.model import GriffinDraft
 from griffin.tree import DraftTree, _assemble
-from griffin.verify import VerifyResult, next_token, verify
+from griffin.verify import RowSampling, choose, walk
+from tests.conftest import make_target
 
 CONTROL_P = 1e-6  # every planted bug must be rejected at least this strongly
 PASS_P = 1e-4  # the correct code's seeded runs must not be rejected at this level
@@ -77,9 +79,25 @@ FAULTS = {
 }
 
 
+def first_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """The target's own draw at the prompt, logits (V,), by griffin.verify.choose at a uniform from ``generator``."""
+    u = torch.rand(1, generator=generator, dtype=torch.float64)
+    return int(choose(logits[None], RowSampling.of([sampling], logits.shape[-1], logits.device), u))
+
+
+def griffin_verifier(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, generator) -> tuple[list[int], int]:
+    """griffin.verify.walk on one tree, logits (N, V), with one uniform from ``generator`` per depth:
+    the accepted nodes (root first) and the next token."""
+    u = torch.rand(1, int(tree.depths.max()) + 1, generator=generator, dtype=torch.float64)
+    rows = RowSampling.of([sampling], logits.shape[-1], logits.device)
+    walked = walk(tree.tokens[None], tree.parents[None], logits[None], rows, u)[0]
+    return walked.nodes, walked.tokens[-1]
+
+
 def planted_verifier(fault: str):
-    """``griffin.verify.verify``'s contract with the bug ``fault`` (a FAULTS key) planted: the
-    controls the law tests must reject. Written from the method, not from griffin.verify."""
+    """A verifier (``griffin_verifier``'s contract) with the bug ``fault`` (a FAULTS key) planted:
+    the controls the law tests must reject. Recursive rejection sampling, the same law as
+    griffin.verify's walk when correct, written from the method, not from griffin.verify."""
     assert fault in FAULTS, fault
 
     def warp(logits: Tensor, sampling: SamplingConfig, top_p: bool = True) -> Tensor:
@@ -89,7 +107,7 @@ def planted_verifier(fault: str):
             sampling = sampling.model_copy(update={"top_p": 1.0})
         return reference_probs(logits, sampling).float()
 
-    def planted(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, generator=None) -> VerifyResult:
+    def planted(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, generator=None) -> tuple[list[int], int]:
         tokens, node, path, rejected = tree.tokens.tolist(), 0, [0], []
         while True:
             law_node = 0 if fault == "root law at every depth" and tree.depths[node] >= 1 else node
@@ -106,7 +124,7 @@ def planted_verifier(fault: str):
                 if fault != "no renormalisation":
                     probs = probs / probs.sum()
             if accepted is None:
-                return VerifyResult(path, _final_draw(fault, tree, node, logits, sampling, probs, rejected, generator))
+                return path, _final_draw(fault, tree, node, logits, sampling, probs, rejected, generator)
             node = accepted
             path.append(node)
 
@@ -182,22 +200,23 @@ class Windows:
     samples: int
 
 
-def sample_windows(target: MarkovTarget, shape: str, sampling: SamplingConfig, n: int, k: int, verifier=verify, seed=0):
-    """n decodes of ``k`` tokens: the first from the target at the prompt (griffin.verify.next_token,
-    as a prefill), then rounds of tree verification by ``verifier``."""
+def sample_windows(
+    target: MarkovTarget, shape: str, sampling: SamplingConfig, n: int, k: int, verifier=griffin_verifier, seed=0
+) -> Windows:
+    """n decodes of ``k`` tokens: the first from the target at the prompt (``first_token``, as a
+    prefill), then rounds of tree verification by ``verifier``."""
     V, gen = target.vocab, torch.Generator().manual_seed(seed)
     trees = [target.tree(root, shape) for root in range(V)]
     node_logits = [target.logits[t.tokens] for t in trees]  # (N, V) per root
     counts, bonus = torch.zeros((V,) * k), torch.zeros(V, V)
     for _ in range(n):
-        window = [next_token(target.logits[target.prompt_last], sampling, gen)]
+        window = [first_token(target.logits[target.prompt_last], sampling, gen)]
         while len(window) < k:
             tree = trees[window[-1]]
-            result = verifier(tree, node_logits[window[-1]].clone(), sampling, gen)
-            window += tree.tokens[result.accepted_nodes[1:]].tolist() + [result.next_token]
-            last = result.accepted_nodes[-1]
-            if not tree.children[last] and len(window) <= k:
-                bonus[int(tree.tokens[last]), result.next_token] += 1
+            nodes, next_token = verifier(tree, node_logits[window[-1]].clone(), sampling, gen)
+            window += tree.tokens[nodes[1:]].tolist() + [next_token]
+            if not tree.children[nodes[-1]] and len(window) <= k:
+                bonus[int(tree.tokens[nodes[-1]]), next_token] += 1
         counts[tuple(window[:k])] += 1
     return Windows(counts, bonus, n)
 
@@ -209,6 +228,17 @@ def bonus_p(target: MarkovTarget, sampling: SamplingConfig, bonus: Tensor) -> fl
 
 
 # ---- a tiny transformers target, through the engine ----------------------------------------------------
+def peaked_pair(variant: str = "griffin"):
+    """A tiny target with peaked, context-dependent laws over 6 tokens (a flat law hides bugs) and a
+    confident, partly wrong draft. EAGLE-3 reads the target's layer 2 of 5."""
+    target = make_target("llama", vocab_size=6, seed=7, **({"num_hidden_layers": 5} if variant == "eagle3" else {}))
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(10.0)
+    draft = GriffinDraft.for_target(target, variant=variant)
+    torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)
+    return target, draft
+
+
 def exact_joint(target, prompt: list[int], sampling: SamplingConfig, k: int) -> Tensor:
     """P(t1, ..., tk) of the target's own sampling after ``prompt``, every continuation enumerated
     through the model without a cache: (V,) * k."""
@@ -224,10 +254,10 @@ def exact_joint(target, prompt: list[int], sampling: SamplingConfig, k: int) -> 
 
 
 def engine_windows(target, draft, prompt: list[int], tree, sampling: SamplingConfig, n: int, k: int, batched: bool):
-    """Counts (V,) * k of the first k tokens of n decodes through griffin.engine: alone (one seeded
-    request at a time, griffin.decode.speculative_generate), or batched (16 unseeded requests at
-    once in 6 slots, beside 4 neighbours of other lengths and budgets, all drawing from the global
-    generator)."""
+    """Counts (V,) * k of the first k tokens of n decodes through griffin.engine: alone (seeds 0..n-1,
+    one request at a time, griffin.decode.speculative_generate), or batched (16 unseeded requests at
+    once in 6 slots, beside 4 neighbours of other lengths and budgets; their seeds are drawn from
+    torch's global generator)."""
     from griffin.decode import speculative_generate
     from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
 
@@ -235,7 +265,7 @@ def engine_windows(target, draft, prompt: list[int], tree, sampling: SamplingCon
     if not batched:
         ids = torch.tensor([prompt])
         for seed in range(n):
-            out = speculative_generate(target, draft, ids, tree, sampling, k, torch.Generator().manual_seed(seed), [])
+            out = speculative_generate(target, draft, ids, tree, sampling, k, seed, [])
             counts[tuple(out.tokens)] += 1
         return counts
     torch.manual_seed(0)

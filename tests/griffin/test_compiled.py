@@ -59,11 +59,8 @@ def test_compiled_equals_eager_token_for_token(models, temperature):
     target, twin, draft = models
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     sampling = SamplingConfig(temperature=temperature)
-    seeded = lambda: torch.Generator().manual_seed(5)  # noqa: E731
-    spec = [
-        speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)
-    ]
-    plain = [vanilla_generate(t, ids, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
+    spec = [speculative_generate(t, draft, ids, TREE, sampling, NEW, 5, stop_token_ids=[]) for t in (target, twin)]
+    plain = [vanilla_generate(t, ids, sampling, NEW, 5, stop_token_ids=[]) for t in (target, twin)]
     assert spec[1].tokens == spec[0].tokens and len(spec[0].tokens) == NEW
     assert spec[1].stats.accepted_per_round == spec[0].stats.accepted_per_round
     assert plain[1].tokens == plain[0].tokens
@@ -83,10 +80,7 @@ def test_compiled_batch_equals_eager(models):
     policy = SpeculationPolicy({1: TREE, 3: None})
 
     def decode(t):
-        requests = [
-            DecodeRequest(p, SamplingConfig(temperature=0.8), 40, torch.Generator().manual_seed(i), [], i != 1)
-            for i, p in enumerate(prompts)
-        ]
+        requests = [DecodeRequest(p, SamplingConfig(temperature=0.8), 40, i, [], i != 1) for i, p in enumerate(prompts)]
         return [r.tokens for r in generate_batch(t, draft, requests, policy)]
 
     assert decode(twin) == decode(target)

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import griffin.engine
+import griffin.verify
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.model import GriffinDraft
-from tests.conftest import make_target
-from tests.griffin.law import CONTROL_P, PASS_P, chi_square_p, engine_windows, exact_joint, planted_verifier
+from tests.griffin.law import CONTROL_P, PASS_P, chi_square_p, engine_windows, exact_joint, peaked_pair
 
 PROMPT, K, N = [1, 4, 3], 3, 1600
 SAMPLINGS = {
@@ -21,17 +20,6 @@ SAMPLINGS = {
 # "leaf": every accepted child is a leaf, so the third token is a bonus whenever a child is accepted;
 # "tree": the third token is accepted (or recovered) at depth 2
 TREES = {"leaf": TreeConfig(total_tokens=4, depth=1, top_k=3), "tree": TreeConfig(total_tokens=5, depth=2, top_k=2)}
-
-
-def peaked_pair(variant: str = "griffin"):
-    """A tiny target with peaked, context-dependent laws over 6 tokens (a flat law hides bugs) and a
-    confident, partly wrong draft. EAGLE-3 reads the target's layer 2 of 5."""
-    target = make_target("llama", vocab_size=6, seed=7, **({"num_hidden_layers": 5} if variant == "eagle3" else {}))
-    with torch.no_grad():
-        target.model.lm_head.weight.mul_(10.0)
-    draft = GriffinDraft.for_target(target, variant=variant)
-    torch.nn.init.normal_(draft.layer.mlp.down_proj.weight, std=0.5)
-    return target, draft
 
 
 def law_p(target, draft, tree: str, sampling: str, batched: bool) -> float:
@@ -59,23 +47,40 @@ def test_engine_samples_the_targets_law(variant, tree, sampling, batched):
     assert p_value > PASS_P, f"chi-square p-value {p_value:.1e}"
 
 
-def raw_next_token(logits, sampling, generator):
-    """A planted prefill bug: the first token drawn from the raw softmax, without the warper."""
-    return int(torch.multinomial(logits.float().softmax(-1), 1, generator=generator))
+def raw_choose(logits, rows, uniforms):
+    """A planted bug: the draw by the inverse CDF of the raw softmax, without the warper."""
+    cdf = logits.double().softmax(-1).cumsum(-1)
+    return torch.searchsorted(cdf, uniforms[:, None].contiguous(), right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+
+
+def uniform_leaf_bonus(tokens, parents, logits, rows, uniforms):
+    """A planted bug: a row whose walk ends at a leaf replaces its bonus by a uniform token."""
+    walks = griffin.verify.walk(tokens, parents, logits, rows, uniforms)
+    for b, walked in enumerate(walks):
+        if not bool((parents[b] == walked.nodes[-1]).any()):
+            walked.tokens[-1] = int(torch.randint(logits.shape[-1], ()))
+    return walks
+
+
+def one_draw_per_round(row, count):
+    """A planted bug: a round reuses its first position's draw at every depth."""
+    return griffin.verify.position_uniforms(row.seed, len(row.out), 1) * count
 
 
 @pytest.mark.parametrize(
     "patch,tree,sampling,batched",
     [
-        (("verify", planted_verifier("uniform leaf bonus")), "leaf", "T1", False),
-        (("verify", planted_verifier("bonus without warper")), "leaf", "T0.7-top_p-top_k", True),
-        (("next_token", raw_next_token), "leaf", "T0.7-top_p-top_k", True),
+        ((griffin.engine, "walk", uniform_leaf_bonus), "leaf", "T1", False),
+        ((griffin.verify, "choose", raw_choose), "leaf", "T0.7-top_p-top_k", True),
+        ((griffin.engine, "choose", raw_choose), "leaf", "T0.7-top_p-top_k", True),
+        ((griffin.engine.Row, "uniforms", one_draw_per_round), "tree", "T1", True),
     ],
-    ids=["uniform-leaf-bonus-alone", "bonus-without-warper-batched", "prefill-without-warper-batched"],
-)
+    ids=["uniform-leaf-bonus-alone", "walk-without-warper-batched", "prefill-without-warper-batched",
+         "one-draw-per-round-batched"],
+)  # fmt: skip
 def test_the_engine_law_test_rejects_planted_bugs(monkeypatch, patch, tree, sampling, batched):
-    """The controls: the engine with one bug planted (in its verifier or its prefill draw) fails the
-    same test at the same sample size, at p < 1e-6."""
-    monkeypatch.setattr(griffin.engine, *patch)
+    """The controls: the engine with one bug planted (in its walk, its prefill draw or its draws
+    per position) fails the same test at the same sample size, at p < 1e-6."""
+    monkeypatch.setattr(*patch)
     p_value = law_p(*peaked_pair(), tree, sampling, batched)
     assert p_value < CONTROL_P, f"a planted bug passed: p = {p_value:.1e}"
