@@ -22,36 +22,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VERIFY, ENGINE = "griffin/verify.py", "griffin/engine.py"
-SAMPLE_RESIDUAL = "return VerifyResult(path, sample_one(probs, generator))"
 # (name, file, the line's text as it is, what it becomes)
 MUTATIONS = [
-    ("no renormalisation after a rejected child", VERIFY, "            probs = probs / total\n", ""),
-    ("first child accepted x1.3", VERIFY, "< p_token:", "< p_token * (1.3 if child == tree.children[node][0] else 1.0):"),
-    ("uniform leaf bonus", VERIFY, SAMPLE_RESIDUAL,
-     "return VerifyResult(path, sample_one(probs if tree.children[node] else torch.ones_like(probs), generator))"),
-    ("leaf bonus without the warper", VERIFY, SAMPLE_RESIDUAL,
-     "return VerifyResult(path, sample_one(probs if tree.children[node] else "
-     "target_logits[node].float().softmax(-1), generator))"),
-    ("top-p on the acceptance side only", VERIFY, SAMPLE_RESIDUAL,
-     "return VerifyResult(path, sample_one(warp_probs(target_logits[node], sampling.model_copy(update="
-     "{'top_p': 1.0})).index_fill(0, tree.tokens[tree.children[node]], 0.0), generator))"),
-    ("residual keeps the rejected child", VERIFY, "            probs[token] = 0.0  #", "            pass  #"),
-    ("acceptance below depth 1 reads the parent's law", VERIFY, "probs = warp_probs(target_logits[node], sampling)",
-     "probs = warp_probs(target_logits[path[-2] if len(path) > 1 else node], sampling)"),
-    ("warper: temperature squared", VERIFY, "logits.float() / sampling.temperature",
-     "logits.float() / sampling.temperature**2"),
-    ("warper: top-k keeps one more", VERIFY, "logits.topk(sampling.top_k, dim=-1)",
-     "logits.topk(sampling.top_k + 1, dim=-1)"),
-    ("warper: top-p keeps less", VERIFY, ">= sampling.top_p", ">= 0.9 * sampling.top_p"),
-    ("plain draws without the warper", VERIFY, "return sample_one(warp_probs(logits, sampling), generator)",
-     "return sample_one(logits.float().softmax(-1), generator)"),
-    ("greedy walk compares the child's own argmax", VERIFY, "if tokens[c] == choice[node]", "if tokens[c] == choice[c]"),
-    ("engine: a row verified with its neighbour's logits", ENGINE, "verify(t, logits[b, : t.size]",
-     "verify(t, logits[(b + 1) % len(trees), : t.size]"),
+    ("warper: temperature squared", VERIFY, "logits.float() / rows.temperature", "logits.float() / rows.temperature**2"),
+    ("warper: top-k keeps one more", VERIFY, "kth = top.gather(-1, (rows.top_k - 1).clamp(min=0))",
+     "top = logits.topk(int(rows.top_k.max()) + 1, dim=-1).values; kth = top.gather(-1, rows.top_k)"),
+    ("warper: top-p keeps less", VERIFY, ">= rows.top_p", ">= 0.9 * rows.top_p"),
+    ("draws without the warper", VERIFY, "cdf = warp_rows(logits, rows).double().cumsum(-1)",
+     "cdf = logits.double().softmax(-1).cumsum(-1)"),
+    ("the walk follows the argmax's child", VERIFY, "(tokens == choice[:, None])",
+     "(tokens == logits[batch, node].argmax(-1)[:, None])"),
+    ("every depth reads the root's law", VERIFY, "choose(logits[batch, node], rows", "choose(logits[batch, 0 * node], rows"),
+    ("every depth shares one draw", VERIFY, "rows, uniforms[:, d])", "rows, uniforms[:, 0])"),
+    ("a leaf's bonus is its parent's draw", VERIFY, "chosen.append(torch.where(alive, choice, -1))",
+     "chosen.append(torch.where(alive, choice, -1) if d == 0 or d < depth else chosen[-1])"),
+    ("draws from position i - 1", ENGINE, "position_uniforms(self.seed, len(self.out), count)",
+     "position_uniforms(self.seed, max(len(self.out) - 1, 0), count)"),
+    ("engine: a round reuses its first draw", ENGINE, "[row.uniforms(depth + 1) for row in self.rows]",
+     "[row.uniforms(1) * (depth + 1) for row in self.rows]"),
+    ("engine: a row walked with its neighbour's logits", ENGINE, "walk(batch.tokens, batch.parents, logits,",
+     "walk(batch.tokens, batch.parents, logits.roll(1, 0),"),
     ("engine: the prefill token taken greedily", ENGINE,
-     "token = next_token(logits[0, -1], req.sampling, req.generator)", "token = int(logits[0, -1].argmax())"),
-    ("engine: a row draws from the first row's generator", ENGINE, "row.request.sampling, row.request.generator)",
-     "row.request.sampling, self.rows[0].request.generator)"),
+     "token = int(choose(logits[0, -1:], rows,", "token = int(logits[0, -1].argmax()) or int(choose(logits[0, -1:], rows,"),
 ]  # fmt: skip
 # the law tests first, most mutations stop there; then the rest of the method tests (pytest keeps
 # the order of files named one by one, not of a folder named after its own files)

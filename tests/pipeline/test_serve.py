@@ -418,10 +418,24 @@ def test_client_leaving_mid_stream_leaves_the_server_serving(server):
     assert chat(server, "Still fine?")["choices"][0]["message"]["content"] == greedy_text(server.target, ids, 12)[0]
 
 
-def test_seed_reproducible_at_t1(server):
-    first, again, other = (chat(server, "Pick a word.", temperature=1.0, seed=s) for s in (7, 7, 8))
-    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
-    assert first["choices"][0]["message"]["content"] != other["choices"][0]["message"]["content"]
+def test_seeded_t1_requests_return_the_same_text_together_alone_and_plain(server):
+    """Four seeded T=1 requests sent together each return the text they return alone, and the text
+    the same request returns without a draft (``speculative: false``); another seed, another text."""
+
+    def ask(seed: int, **params) -> str:
+        reply = chat(server, f"Pick a word, {seed}.", temperature=1.0, seed=seed, max_tokens=24, **params)
+        return reply["choices"][0]["message"]["content"]
+
+    seeds = [7, 8, 9, 10]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(ask, seeds))
+    alone = [ask(seed) for seed in seeds]
+    plain = [ask(seed, speculative=False) for seed in seeds]
+    assert together == alone == plain
+    assert (
+        ask(7)
+        != chat(server, "Pick a word, 7.", temperature=1.0, seed=70, max_tokens=24)["choices"][0]["message"]["content"]
+    )
 
 
 def test_stop_sequence_is_trimmed(server):
