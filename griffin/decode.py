@@ -206,7 +206,8 @@ def speculative_generate(
 
 def _decode_one(target, draft, input_ids, tree, sampling, max_new_tokens, seed, stop_token_ids, on_tokens, logprobs):
     """One request through the engine, alone: the same code path as a batch of one in a replica."""
-    from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
+    from griffin.engine import DecodeRequest, SpeculationPolicy
+    from griffin.offline import generate_batch
 
     _check_request(target, input_ids, max_new_tokens)
     request = DecodeRequest(

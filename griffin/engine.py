@@ -19,7 +19,6 @@ seeded request decodes the same text alone or batched, drafting or plain. Shape 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -295,6 +294,16 @@ class BatchEngine:
             lp = row.request.logprobs
             self._deliver(row, walked.tokens, lambda lp=lp, a=accepted, b=b, c=walked.tokens: lp.score(logits[b, a], c))
 
+    def verify_only(self, trees: list[DraftTree]) -> list[Walked]:
+        """A round's verify phase for the active rows with ``trees`` (one each), as ``step`` runs it
+        after drafting: the batched target pass, the walk and the KV commit. Nothing is delivered,
+        so the rows' KV runs ahead of their outputs: for timing (griffin.offline.verify_cost), on rows
+        that are cancelled afterwards."""
+        with decode_mode(self.compiled), decode_attention(self.target.device):
+            batch = _TreeBatch.of(trees, self.target.device)
+            _, logits = self._verify_forward(batch)
+            return self._accept_and_commit(batch, logits, max(int(t.depths.max()) for t in trees))
+
     def _draft(self, tree: TreeConfig) -> list[DraftTree]:
         """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
         then the levels, all rows at once. A request that asked for no draft keeps only its root."""
@@ -396,54 +405,3 @@ class _TreeBatch:
             tokens[b, : t.size], depths[b, : t.size], parents[b, : t.size] = t.tokens, t.depths, t.parents
             mask[b, : t.size, : t.size] = t.mask
         return cls(tokens, depths, parents, mask)
-
-
-def generate_batch(
-    target: TargetAdapter,
-    draft: GriffinDraft | None,
-    requests: list[DecodeRequest],
-    policy: SpeculationPolicy,
-    max_rows: int | None = None,
-) -> list[GenerationResult]:
-    """Decode ``requests`` together (offline use and tests); results in request order."""
-    with _engine_for(target, draft, policy, max_rows or len(requests)) as engine:
-        rows = [engine.submit(request) for request in requests]
-        engine.run_until_idle()
-    for row in rows:
-        if row.error is not None:
-            raise row.error
-    return [row.result for row in rows]
-
-
-@contextlib.contextmanager
-def _engine_for(target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy, max_rows: int):
-    """An idle engine for one offline decode. Compiled decoding keeps one engine per draft on the
-    target and reuses it with the call's policy: CUDA graphs are captured over the engine's KV
-    buffers (the whole context for every row), and a new engine per call (an evaluation's every
-    question, tune-tree's every candidate) would capture them again and hold its own buffers. It is
-    replaced by a larger one when a call needs more rows or a wider tree. Eager decoding, or a
-    pooled engine in use by another thread, gets a fresh one."""
-    if target.compiled_forward is None:
-        yield BatchEngine(target, draft, policy, max_rows)
-        return
-    pool = target.__dict__.setdefault("idle_engines", {})
-    engine, lock = pool.setdefault(id(draft), (None, threading.Lock()))
-    if not lock.acquire(blocking=False):
-        yield BatchEngine(target, draft, policy, max_rows)
-        return
-    try:
-        if engine is None or engine.max_rows < max_rows or engine.tree_slack < policy.tree_slack:
-            pool[id(draft)] = (None, lock)  # the old buffers go before the new ones are allocated
-            engine = None
-            engine = BatchEngine(target, draft, policy, max_rows)
-            pool[id(draft)] = (engine, lock)
-        engine.policy = policy
-        yield engine
-    finally:
-        lock.release()
-
-
-def warm_up(target: TargetAdapter, draft: GriffinDraft | None, policy: SpeculationPolicy) -> None:
-    """``BatchEngine.warm_up`` for the engine that ``generate_batch`` then decodes a lone request with."""
-    with _engine_for(target, draft, policy, 1) as engine:
-        engine.warm_up([1])

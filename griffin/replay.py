@@ -1,7 +1,7 @@
 """T=0 speculative decoding replayed with the draft alone, from the target's greedy continuation.
 
 At T=0 a verify pass accepts exactly the longest tree path that spells the target's greedy
-continuation (``griffin.verify.verify_greedy``), and what it commits is that continuation. So one
+continuation (``griffin.verify.walk`` at T=0), and what it commits is that continuation. So one
 vanilla decode of a prompt and one target forward over it give everything a round needs: the
 target's next tokens and its features at every committed position. Replaying the rounds then runs
 only the draft: the same trees and the same accepted lengths as ``speculative_generate`` (up to float

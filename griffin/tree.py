@@ -69,6 +69,12 @@ def root_tree(root: Tensor) -> DraftTree:
     return _assemble(root, torch.empty(0, device=root.device), empty, empty, empty, 0)
 
 
+def chain_tree(root: Tensor, tokens: Tensor) -> DraftTree:
+    """The tree of ``tokens`` (L,) in a chain under ``root`` (1,): a verify pass over L + 1 nodes."""
+    depths = torch.arange(1, tokens.numel() + 1, device=root.device)
+    return _assemble(root, -depths.float(), tokens.to(root.device), depths - 2, depths, tokens.numel())
+
+
 def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, n_keep: int) -> DraftTree:
     """Rerank the candidate pool (M,) to the n_keep best and build mask / depths / retrieve indices."""
     device = root.device

@@ -111,7 +111,6 @@ def test_bf16_sampling_decode_on_cuda():
     target.model.to(device=CUDA, dtype=torch.bfloat16)
     draft = GriffinDraft.for_target(target).to(CUDA).cast_parameters(torch.bfloat16)
     ids = torch.randint(3, 128, (1, 10)).to(CUDA)
-    generator = torch.Generator(device=CUDA).manual_seed(0)
     out = speculative_generate(
         target,
         draft,
@@ -119,7 +118,7 @@ def test_bf16_sampling_decode_on_cuda():
         TreeConfig(total_tokens=16, depth=4, top_k=4),
         SamplingConfig(temperature=1.0),
         32,
-        generator,
+        0,
         stop_token_ids=[],
     )
     assert len(out.tokens) == 32 and all(0 <= t < target.vocab_size for t in out.tokens)
@@ -150,7 +149,8 @@ def test_compiled_decode_equals_eager_on_cuda(arch):
     """decode.compile on CUDA: the steps are CUDA graphs (griffin.static); fp32 output equals eager
     token for token at T=0 and seeded T>0, speculative and vanilla, across a width bucket, and a
     batch of rows of different lengths equals each row's eager decode."""
-    from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
+    from griffin.engine import DecodeRequest, SpeculationPolicy
+    from griffin.offline import generate_batch
     from tests.griffin.test_compiled import NEW, TREE, compiled_twin
 
     target = make_target(arch)
@@ -159,12 +159,8 @@ def test_compiled_decode_equals_eager_on_cuda(arch):
     draft = GriffinDraft.for_target(target).to(CUDA)
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0)).to(CUDA)
     for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-        seeded = lambda: torch.Generator(device=CUDA).manual_seed(5)  # noqa: E731
-        spec = [
-            speculative_generate(t, draft, ids, TREE, sampling, NEW, seeded(), stop_token_ids=[])
-            for t in (target, twin)
-        ]
-        plain = [vanilla_generate(t, ids, sampling, NEW, seeded(), stop_token_ids=[]) for t in (target, twin)]
+        spec = [speculative_generate(t, draft, ids, TREE, sampling, NEW, 5, stop_token_ids=[]) for t in (target, twin)]
+        plain = [vanilla_generate(t, ids, sampling, NEW, 5, stop_token_ids=[]) for t in (target, twin)]
         assert spec[1].tokens == spec[0].tokens and plain[1].tokens == plain[0].tokens
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 47)]
 

@@ -21,7 +21,8 @@ import torch
 
 from griffin.config import SamplingConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import SpeculationPolicy, warm_up
+from griffin.engine import SpeculationPolicy
+from griffin.offline import warm_up
 from pipeline.config import load_config
 from griffin.decode import first_divergence
 from pipeline.evaluate.report import machine_identity
@@ -55,12 +56,10 @@ def decoders(cfg, tree, sampling, new):
         warm_up(target, draft, SpeculationPolicy({1: tree}))
 
         def vanilla(ids, seed, t=target):
-            return vanilla_generate(t, ids, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[])
+            return vanilla_generate(t, ids, sampling, new, seed, stop_token_ids=[])
 
         def griffin(ids, seed, t=target, d=draft):
-            return speculative_generate(
-                t, d, ids, tree, sampling, new, torch.Generator().manual_seed(seed), stop_token_ids=[]
-            )
+            return speculative_generate(t, d, ids, tree, sampling, new, seed, stop_token_ids=[])
 
         runs[f"vanilla_{mode}"], runs[f"griffin_{mode}"] = vanilla, griffin
         targets[mode] = target

@@ -22,7 +22,8 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate
-from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
+from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.offline import generate_batch
 from pipeline.config import load_config
 from pipeline.evaluate.report import machine_identity
 from pipeline.resources.drafts import load_draft_uri

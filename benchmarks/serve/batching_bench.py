@@ -1,15 +1,17 @@
 """Batching through one replica: the same requests one at a time vs at once, through the endpoint.
 
 SmolLM2-135M-Instruct with the shipped GRIFFIN draft, one decoder replica (``serve.num_cpus: 1``, as
-on this 2-core machine), T=0, 64 tokens, MT-Bench first turns, non-streaming with
-``return_token_ids``. Interleaved over repetitions (medians):
+on this 2-core machine), T=0 (or ``--temperature``, each question with its own seed), 64 tokens,
+MT-Bench first turns, non-streaming with ``return_token_ids``. Interleaved over repetitions (medians):
 - 4 requests one after another vs the same 4 at once (the acceptance: >= 2x tokens/s, outputs equal);
+- 4 one after another drafting vs with ``"speculative": false`` (a lone request's speedup);
 - 8 one after another vs 8 at once (the goal: >= 4x);
 - 8 at once drafting (the replica's ``decode.policy``) vs 8 at once with ``"speculative": false``,
   every row plain: the same engine with speculation off (the goal: >= 1.0x).
-Every concurrent output must equal its one-at-a-time output token for token.
+Every output must equal its one-at-a-time output token for token, drafting or not: at T>0 too, since
+a seeded request's tokens do not depend on its neighbours or on drafting (docs/method.md §5).
 
-    python benchmarks/serve/batching_bench.py [--dtype float32] [--policy TUNE_TREE_JSON] [--reps 2]
+    python benchmarks/serve/batching_bench.py [--dtype float32] [--temperature 1] [--policy TUNE_TREE_JSON] [--reps 2]
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ OUT = Path(__file__).parent
 DRAFT = "drafts/smollm2-135m-instruct/griffin"
 
 
+TEMPERATURE = 0.0  # --temperature
+
+
 def complete(url: str, question: str, new: int, speculative: bool = True) -> list[int]:
     body = {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": new,
-        "temperature": 0,
+        "temperature": TEMPERATURE,
+        "seed": len(question),
         "return_token_ids": True,
         "speculative": speculative,
     }
@@ -63,7 +69,10 @@ def main() -> None:
     )
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     from pipeline.config import load_config
     from pipeline.evaluate.report import machine_identity
     from pipeline.resources.questions import load_questions
@@ -88,6 +97,7 @@ def main() -> None:
         at_once(url, questions[:2], 8)  # warm-up
         cases = {
             "4_one_by_one": lambda: one_by_one(url, questions[:4], args.new),
+            "4_one_by_one_plain": lambda: one_by_one(url, questions[:4], args.new, speculative=False),
             "4_at_once": lambda: at_once(url, questions[:4], args.new),
             "8_one_by_one": lambda: one_by_one(url, questions, args.new),
             "8_at_once": lambda: at_once(url, questions, args.new),
@@ -101,7 +111,9 @@ def main() -> None:
                 seconds[name].append(spent)
     finally:
         stop_serve()
-    assert outputs["4_at_once"] == outputs["4_one_by_one"] == outputs["8_one_by_one"][:4]
+    assert (
+        outputs["4_at_once"] == outputs["4_one_by_one"] == outputs["8_one_by_one"][:4] == outputs["4_one_by_one_plain"]
+    )
     assert outputs["8_at_once"] == outputs["8_one_by_one"] == outputs["8_at_once_plain"]
     tokens = {name: sum(len(ids) for ids in outputs[name]) for name in cases}
     rate = {name: tokens[name] / statistics.median(seconds[name]) for name in cases}
@@ -109,18 +121,20 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_identity(),
         "dtype": args.dtype,
+        "temperature": args.temperature,
         "policy": cfg.speculation_policy.describe(),
         "new_tokens": args.new,
         "reps": args.reps,
         "tokens_per_s": rate,
         "seconds": seconds,
+        "lone_speculative_vs_plain": rate["4_one_by_one"] / rate["4_one_by_one_plain"],
         "four_at_once_vs_one_by_one": rate["4_at_once"] / rate["4_one_by_one"],
         "eight_at_once_vs_one_by_one": rate["8_at_once"] / rate["8_one_by_one"],
         "eight_policy_vs_plain": rate["8_at_once"] / rate["8_at_once_plain"],
         "outputs_equal": True,
     }
     print(json.dumps(result, indent=2))
-    suffix = "" if args.dtype == "bfloat16" else "-fp32"
+    suffix = ("" if args.dtype == "bfloat16" else "-fp32") + (f"-t{args.temperature:g}" if args.temperature else "")
     (OUT / f"batching{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

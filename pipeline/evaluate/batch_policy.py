@@ -21,7 +21,8 @@ from typing import Any
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import device_time
-from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch
+from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.offline import generate_batch
 
 GREEDY = SamplingConfig()
 CANDIDATES = 4  # trees measured per batch size besides plain decoding

@@ -22,7 +22,8 @@ from typing import Any
 
 from griffin.checkpoint import tensors_sha256
 from griffin.decode import first_divergence as divergence_at
-from griffin.engine import SpeculationPolicy, warm_up
+from griffin.engine import SpeculationPolicy
+from griffin.offline import warm_up
 from pipeline.files import atomic_write_json, atomic_write_text, finished, reuse_key
 from pipeline.config import RunConfig
 from pipeline.console import Progress, say
@@ -225,7 +226,7 @@ def _differs(spec: Output, vanilla: Output) -> bool:
 
 
 def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig, drafts: dict[str, Any]) -> None:
-    """Untimed: compiled decode steps are captured (griffin.engine.warm_up), then each method decodes once."""
+    """Untimed: compiled decode steps are captured (griffin.offline.warm_up), then each method decodes once."""
     if not cfg.eval.through_serve:
         warm_up(target, None, SpeculationPolicy({1: None}))
         for draft in drafts.values():

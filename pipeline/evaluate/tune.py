@@ -3,10 +3,11 @@
 EAGLE-2's ``total_token=-1`` picks the tree size from the target's measured speed. We measure both
 halves of the trade-off, in one process:
 
-- the target's verify cost curve: a round's verify phase (one verify forward of N tree tokens after
-  a fixed prefix, the T=0 acceptance and the KV compaction) for every N of the grid, interleaved over
-  repetitions (medians): the hardware fact that makes wide trees expensive on a CPU (compute-bound)
-  and nearly free on a GPU (bandwidth-bound);
+- the target's verify cost curve: a round's verify phase in the engine that serves (compiled when
+  compiled: one batched verify pass of N tree tokens after a fixed prefix, the T=0 walk and the KV
+  commit; griffin.offline.verify_cost) for every N of the grid, interleaved over repetitions
+  (medians): the hardware fact that makes wide trees expensive on a CPU (compute-bound) and nearly
+  free on a GPU (bandwidth-bound);
 - per candidate tree (total_tokens, depth, top_k): tau at T=0 and the median drafting seconds of a
   round, over every calibration prompt, replayed with the draft alone from each prompt's greedy
   continuation (``griffin.replay``: the rounds the decoder would run, at a fifth to a tenth of
@@ -33,7 +34,9 @@ from typing import Any, Callable
 import torch
 
 from griffin.config import TreeConfig
-from griffin.decode import acceptance_length, device_time, speculative_generate
+from griffin.decode import acceptance_length, speculative_generate
+from griffin.engine import SpeculationPolicy
+from griffin.offline import verify_cost
 from griffin.replay import GREEDY, GreedyReference, greedy_reference, replay_greedy
 from pipeline import console
 from pipeline.config import RunConfig
@@ -46,6 +49,8 @@ DEPTHS = (2, 3, 4, 5, 6, 8)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 POLICY_MAX_NEW = 32  # tokens per prompt when measuring the policy (a batch of 8 x 5 options x 2 repetitions)
 CURVE_PREFIX = 256  # committed tokens before the verified tree (a mid-conversation context)
+# the engine's KV slack for every tree of the search: one engine (compiled: one capture) serves them all
+SEARCH_POLICY = SpeculationPolicy({1: TreeConfig(total_tokens=max(TOTAL_TOKENS), depth=max(DEPTHS), top_k=max(TOP_KS))})
 
 
 @dataclass(frozen=True)
@@ -63,27 +68,12 @@ class Candidate:
         return TreeConfig(total_tokens=self.total_tokens, depth=self.depth, top_k=self.top_k)
 
 
-@torch.inference_mode()
-def verify_cost_curve(target: Any, sizes: tuple[int, ...], repeats: int = 7) -> dict[int, float]:
-    """Median ms of a round's verify phase for N tree tokens: the verify forward (a chain: its cost
-    depends on N, not the shape), the T=0 acceptance and the compaction of one accepted node's KV."""
-    cache = target.new_cache(CURVE_PREFIX + max(sizes))
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, target.vocab_size, (1, CURVE_PREFIX), generator=generator)
-    target.forward(prefix.to(target.device), cache, all_logits=False)
-    timings: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(repeats + 1):  # repetition 0 warms up
-        for n in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:  # rotate the order
-            tokens = torch.randint(0, target.vocab_size, (n,), generator=generator)
-            chain = torch.tril(torch.ones(n, n, dtype=torch.bool))  # (N, N) ancestor-or-self
-            start = device_time(target.device)
-            _, logits = target.verify(tokens, torch.arange(n), chain, cache)
-            logits[0].argmax(-1).tolist()  # the acceptance's argmax per node
-            target.commit(cache, CURVE_PREFIX, torch.zeros(1, dtype=torch.long))  # keep the root
-            if rep:
-                timings[n].append(device_time(target.device) - start)
-            target.commit(cache, CURVE_PREFIX, torch.empty(0, dtype=torch.long))  # roll back to the prefix
-    return {n: 1e3 * median(values) for n, values in timings.items()}
+def verify_cost_curve(target: Any, draft: Any, sizes: tuple[int, ...], repeats: int = 7) -> dict[int, float]:
+    """Median ms of a round's verify phase for N tree tokens, after a fixed random prefix, in the
+    engine that decodes for ``draft``, sized for every tree of the search."""
+    prefix = torch.randint(0, target.vocab_size, (CURVE_PREFIX,), generator=torch.Generator().manual_seed(0))
+    seconds = verify_cost(target, draft, SEARCH_POLICY, prefix.tolist(), sizes, repeats)
+    return {n: 1e3 * median(values) for n, values in seconds.items()}
 
 
 def measure_tree(
@@ -180,7 +170,7 @@ def run_tune_tree(
     target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
     calibration = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, prompts)]
-    curve = verify_cost_curve(target, (1, *TOTAL_TOKENS))
+    curve = verify_cost_curve(target, draft_model, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
     speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
     references = [

@@ -72,7 +72,8 @@ def run_check_target(
 def _check_decoding(cfg: RunConfig, count: int, new: int) -> dict[str, Any]:
     """Step 2: T=0 exactness of speculative decoding with an untrained draft, alone and batched."""
     from griffin.decode import speculative_generate, vanilla_generate
-    from griffin.engine import DecodeRequest, generate_batch
+    from griffin.engine import DecodeRequest
+    from griffin.offline import generate_batch
     from griffin.model import GriffinDraft
     from pipeline.resources.targets import load_target
 

@@ -10,7 +10,8 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import DecodeRequest, SpeculationPolicy, generate_batch, warm_up
+from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.offline import generate_batch, warm_up
 from griffin.model import GriffinDraft
 from griffin.static import MIN_BUCKET, compile_enabled, width_bucket
 from griffin.target import TargetAdapter
@@ -115,17 +116,17 @@ def test_a_prepacked_target_is_not_compiled():
 def test_offline_decodes_reuse_one_engine_per_draft(models):
     """Compiled: one pooled engine per draft (its KV buffers hold the captured graphs' addresses),
     reused with each call's policy, replaced when a call needs more rows; in use, a fresh one."""
-    from griffin.engine import _engine_for
+    from griffin.offline import engine_for
 
     _, twin, draft = models
     twin.__dict__.pop("idle_engines", None)  # earlier tests' engines
-    with _engine_for(twin, draft, SpeculationPolicy({1: TREE}), 1) as first:
+    with engine_for(twin, draft, SpeculationPolicy({1: TREE}), 1) as first:
         pass
-    with _engine_for(twin, draft, SpeculationPolicy({1: None}), 1) as again:
+    with engine_for(twin, draft, SpeculationPolicy({1: None}), 1) as again:
         assert again is first and again.policy.trees == {1: None}
-    with _engine_for(twin, draft, SpeculationPolicy({1: TREE}), 3) as larger:
+    with engine_for(twin, draft, SpeculationPolicy({1: TREE}), 3) as larger:
         assert larger is not first and larger.max_rows == 3
-    with _engine_for(twin, draft, SpeculationPolicy({1: TREE}), 2) as held:
+    with engine_for(twin, draft, SpeculationPolicy({1: TREE}), 2) as held:
         assert held is larger
-        with _engine_for(twin, draft, SpeculationPolicy({1: TREE}), 2) as other:
+        with engine_for(twin, draft, SpeculationPolicy({1: TREE}), 2) as other:
             assert other is not held

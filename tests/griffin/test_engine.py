@@ -5,7 +5,8 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy, generate_batch
+from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
+from griffin.offline import generate_batch
 from griffin.model import GriffinDraft
 from griffin.rows import row_mask
 from tests.conftest import make_target

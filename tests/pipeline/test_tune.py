@@ -33,39 +33,28 @@ def test_coordinate_search_finds_the_peak_of_a_known_surface():
     assert ranked == sorted(ranked, key=lambda c: -c.tokens_per_s)
 
 
-def test_verify_cost_curve_leaves_the_cache_at_the_prefix(monkeypatch):
-    """After the curve, the cache it verified in is back at the prefix: its length is the prefix's and
-    the prefix's K/V entries are those the prefill wrote (verify and the compactions left them alone).
-    The target's cache keeps no invariant past its length (torch.empty), so nothing is checked there."""
-    from pipeline.evaluate.tune import CURVE_PREFIX
+def test_verify_cost_curve_times_the_engines_verify_phase(monkeypatch):
+    """The curve times the engine's own batched verify pass (what serving runs), every size after an
+    untimed repetition, in an engine sized for every tree of the search; the row it verified in then
+    leaves, its slot zeroed (griffin.rows' invariant)."""
+    from griffin.engine import BatchEngine
+    from pipeline.evaluate.tune import SEARCH_POLICY
 
-    cfg = load_config(TINY)
-    target = load_target(cfg.target)
-    caches, after_prefill, forward = [], [], target.forward
+    target = load_target(load_config(TINY).target)
+    engines, widths, forward = [], [], BatchEngine._verify_forward
 
-    def new_cache(capacity):
-        caches.append(type(target).new_cache(target, capacity))
-        return caches[-1]
+    def recording(engine, batch):
+        engines.append(engine)
+        widths.append(batch.tokens.shape[1])
+        return forward(engine, batch)
 
-    def prefill_then_snapshot(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if not after_prefill:  # the first forward is the prefix's prefill
-            after_prefill.extend(
-                (layer.keys[:, :, :CURVE_PREFIX].clone(), layer.values[:, :, :CURVE_PREFIX].clone())
-                for layer in caches[0].layers
-            )
-        return out
-
-    monkeypatch.setattr(target, "new_cache", new_cache)
-    monkeypatch.setattr(target, "forward", prefill_then_snapshot)
-    curve = verify_cost_curve(target, (1, 4, 8), repeats=2)
+    monkeypatch.setattr(BatchEngine, "_verify_forward", recording)
+    curve = verify_cost_curve(target, GriffinDraft.for_target(target), (1, 4, 8), repeats=2)
     assert set(curve) == {1, 4, 8} and all(ms > 0 for ms in curve.values())
-    (cache,) = caches
-    assert len(after_prefill) == len(cache.layers) and after_prefill[0][0].abs().sum() > 0
-    for layer, (keys, values) in zip(cache.layers, after_prefill):
-        assert layer.length == CURVE_PREFIX
-        assert torch.equal(layer.keys[:, :, :CURVE_PREFIX], keys)
-        assert torch.equal(layer.values[:, :, :CURVE_PREFIX], values)
+    assert sorted(widths) == [1] * 4 + [4] * 3 + [8] * 3  # the prefill's plain round, then 3 repetitions
+    (engine,) = set(engines)
+    assert engine.tree_slack == SEARCH_POLICY.tree_slack and not engine.busy
+    assert not any(tensors.keys.any() or tensors.values.any() for tensors in engine.cache.tensors)
 
 
 def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
