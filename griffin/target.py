@@ -160,15 +160,6 @@ class PreallocatedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.keys.shape[-2]
 
-    def keep(self, start: int, positions: Tensor) -> None:
-        """Move entries ``positions`` to [start, start + len) and drop everything after.
-        E.g. start=10, positions=[10, 12, 15] (root, node 2, node 5 of a tree written at 10..)
-        -> entries 10, 11, 12 now hold them, length = 13."""
-        end, positions = start + positions.numel(), positions.to(self.keys.device)
-        self.keys[:, :, start:end] = self.keys[:, :, positions]  # rhs is a gathered copy: no aliasing
-        self.values[:, :, start:end] = self.values[:, :, positions]
-        self.length = end
-
 
 class TargetCache(Cache):
     def __init__(self, layers: list[PreallocatedLayer]):
@@ -181,10 +172,6 @@ class TargetCache(Cache):
     @property
     def capacity(self) -> int:
         return self.layers[0].get_max_length()
-
-    def keep(self, start: int, positions: Tensor) -> None:
-        for layer in self.layers:
-            layer.keep(start, positions)
 
 
 def layer_features(out: Any, feature_layers: tuple[int, ...] | None) -> Tensor:
@@ -332,6 +319,9 @@ class TargetAdapter(HeadShaped):
 
     # ---- cache -------------------------------------------------------------------------
     def new_cache(self, capacity: int) -> TargetCache:
+        """A one-sequence KV cache for plain forwards (a prompt's features, a reference's logits).
+        Decoding verifies through the engine's row cache (``new_row_cache``), the one KV path that
+        serves."""
         keys, values = self.layout.cache_shapes(self.hf_config, 1, capacity)
         layers = [
             PreallocatedLayer(
@@ -410,23 +400,3 @@ class TargetAdapter(HeadShaped):
         logits = self.lm_head(last if all_logits else last[:, -1:])  # (B, T|1, V)
         # a target split over devices hands the draft its features on the head's device (a no-op on one)
         return layer_features(out, feature_layers).to(self.device), logits.float().to(self.device)
-
-    def verify(
-        self,
-        tree_tokens: Tensor,
-        tree_depths: Tensor,
-        tree_mask: Tensor,
-        cache: TargetCache,
-        feature_layers: tuple[int, ...] | None = None,
-    ):
-        """One forward over a token tree written after the committed prefix (docs/method.md §5).
-        tree_tokens/tree_depths: (N,), tree_mask: (N, N) ancestor-or-self. Returns (1,N,D_f), (1,N,V)."""
-        n = cache.length
-        positions = n + tree_depths.to(self.device)  # (N,)
-        prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
-        mask = torch.cat([prefix, tree_mask.to(self.device)], dim=1)  # (N, n + N)
-        return self.forward(tree_tokens[None].to(self.device), cache, positions, mask, feature_layers=feature_layers)
-
-    def commit(self, cache: TargetCache, prefix_len: int, accepted_nodes: Tensor) -> None:
-        """Keep the KV of the accepted tree nodes (root first) right after the committed prefix."""
-        cache.keep(prefix_len, prefix_len + accepted_nodes.to(self.device))

@@ -150,6 +150,15 @@ def make_target(arch: str = "llama", seed: int = 0, **overrides) -> TargetAdapte
     return TargetAdapter(model.float(), name=f"tiny-{arch}")
 
 
+def tree_forward(target: TargetAdapter, cache, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor):
+    """A reference tree verify on a one-sequence cache (``target.new_cache``): ``tokens`` and
+    ``depths`` (N,) written after the cache's prefix, ``tree_mask`` (N, N) ancestor-or-self. Returns
+    the features (1, N, D_f) and logits (1, N, V)."""
+    n = cache.length
+    mask = torch.cat([torch.ones(tree_mask.shape[0], n, dtype=torch.bool), tree_mask], dim=1)  # (N, n + N)
+    return target.forward(tokens[None], cache, n + depths, mask)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> TargetAdapter:
     return make_target("llama")

@@ -3,8 +3,8 @@
 Real target (SmolLM2-135M-Instruct, CPU, bf16 or ``--dtype float32``). Three decoders, interleaved per prompt in one
 process: ours with the target's linears pre-packed for oneDNN (``TargetAdapter.prepack``, what
 serve and eval use), ours on plain weights, and HF ``generate`` on a stock copy of the model. We
-report medians of per-prompt ratios. The verify-cost part times one 16- and one 60-token tree
-verify against a single-token step, interleaved, on both weight layouts.
+report medians of per-prompt ratios. The verify-cost part times the engine's 16- and 60-token verify phase
+against a single-token one, interleaved, on both weight layouts.
 Writes benchmarks/decode/decode.{json,md,png} (bf16) or decode-fp32.{json,md,png}.
 
     python benchmarks/decode/decode_bench.py [--dtype bfloat16|float32] [--prompts 8] [--new 64] [--reps 15]
@@ -23,9 +23,9 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import vanilla_generate
-from griffin.model import GriffinDraft, KVCache
+from griffin.engine import SpeculationPolicy
+from griffin.offline import verify_cost
 from griffin.target import TargetAdapter
-from griffin.tree import draft_tree
 from pipeline.resources.questions import load_questions
 
 OUT = Path(__file__).parent
@@ -79,37 +79,19 @@ def bench_generate(packed, plain, ids_list, new_tokens):
 
 
 def bench_verify(targets, ids, reps):
-    """Per weight layout: 60- and 16-token tree verify vs one step, interleaved, same prefix."""
+    """Per weight layout: a 16- and a 60-token verify vs one step (a 1-token verify), each the engine's
+    verify phase (``griffin.offline.verify_cost``: chains of N tokens after the prompt, sizes
+    interleaved)."""
+    policy = SpeculationPolicy({1: TreeConfig(total_tokens=60, depth=6, top_k=10)})
+    seconds = {name: verify_cost(t, None, policy, ids[0].tolist(), (1, 16, 60), reps) for name, t in targets.items()}
     rows = []
-    setups = {}
-    for name, target in targets.items():
-        draft = GriffinDraft.for_target(target).cast_parameters(target.dtype).eval()
-        cache = target.new_cache(ids.shape[1] + 128)
-        features, _ = target.forward(ids, cache, all_logits=False)
-        tokens = torch.cat([ids[0, 1:], torch.tensor([42])])[None]
-        trees = {
-            n: draft_tree(
-                draft,
-                KVCache.allocate(draft.cfg, 512, dtype=target.dtype),
-                features,
-                tokens,
-                TreeConfig(total_tokens=n, depth=6 if n == 60 else 5, top_k=10 if n == 60 else 4),
-            )
-            for n in (60, 16)
-        }
-        setups[name] = (target, cache, cache.length, trees)
-    for _ in range(reps):
+    for rep in range(reps):
         row = {}
-        for name, (target, cache, prefix, trees) in setups.items():
-            for n, tree in trees.items():
-                seconds, _ = time_it(lambda: target.verify(tree.tokens, tree.depths, tree.mask, cache))
-                cache.keep(prefix, torch.arange(prefix, prefix))  # drop the tree again
-                row[f"{name}_verify{n}_ms"] = seconds * 1e3
-            seconds, _ = time_it(lambda: target.forward(torch.tensor([[42]]), cache, all_logits=False))
-            cache.keep(prefix, torch.arange(prefix, prefix))
-            row[f"{name}_step_ms"] = seconds * 1e3
-            for n in trees:
-                row[f"{name}_verify{n}_over_step"] = row[f"{name}_verify{n}_ms"] / row[f"{name}_step_ms"]
+        for name, timings in seconds.items():
+            row[f"{name}_step_ms"] = timings[1][rep] * 1e3
+            for n in (16, 60):
+                row[f"{name}_verify{n}_ms"] = timings[n][rep] * 1e3
+                row[f"{name}_verify{n}_over_step"] = timings[n][rep] / timings[1][rep]
         rows.append(row)
     return rows
 

@@ -9,7 +9,7 @@ from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
 from griffin.offline import generate_batch
 from griffin.model import GriffinDraft
 from griffin.rows import row_mask
-from tests.conftest import make_target
+from tests.conftest import make_target, tree_forward
 from tests.griffin.law import peaked_pair
 
 GREEDY = SamplingConfig()
@@ -68,7 +68,7 @@ def test_batched_verify_equals_per_request_verify_with_poisoned_padding(arch):
     for b, prefix in enumerate(prefixes):
         alone = target.new_cache(32)
         target.forward(prefix[None], alone, all_logits=False)
-        _, expected = target.verify(trees[b], depths[b], blocks[b], alone)
+        _, expected = tree_forward(target, alone, trees[b], depths[b], blocks[b])
         torch.testing.assert_close(batched[b], expected[0], rtol=1e-4, atol=1e-4)
 
 

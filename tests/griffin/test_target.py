@@ -5,7 +5,7 @@ import torch
 
 from griffin.model import GriffinDraft
 from griffin.target import PackedLinear, prepack_supported
-from tests.conftest import make_target
+from tests.conftest import make_target, tree_forward
 from tests.griffin.test_verify import hand_tree
 
 PROMPT = torch.tensor([[3, 17, 42, 9, 77]])
@@ -27,28 +27,13 @@ def test_tree_verify_equals_each_path_separately(arch):
     tree.tokens[:] = torch.tensor([11, 20, 21, 22, 30, 31, 40])
     cache = target.new_cache(32)
     target.forward(PROMPT, cache)
-    feats, logits = target.verify(tree.tokens, tree.depths, tree.mask, cache)
+    feats, logits = tree_forward(target, cache, tree.tokens, tree.depths, tree.mask)
     for path in tree.retrieve.tolist():
         path = [n for n in path if n >= 0]
         seq = torch.cat([PROMPT, tree.tokens[path][None]], dim=1)
         ref = target.model(seq, output_hidden_states=True)
         assert torch.allclose(logits[0, path], ref.logits[0, PROMPT.shape[1] :], atol=1e-4)
         assert torch.allclose(feats[0, path], ref.hidden_states[-1][0, PROMPT.shape[1] :], atol=1e-5)
-
-
-def test_commit_keeps_exactly_the_accepted_path():
-    """After verify + commit of root -> node 2 -> node 6, the next step's logits equal a plain
-    forward of prompt + those tokens + the next token."""
-    target = make_target("llama")
-    tree = hand_tree()
-    cache = target.new_cache(32)
-    target.forward(PROMPT, cache)
-    target.verify(tree.tokens, tree.depths, tree.mask, cache)
-    target.commit(cache, PROMPT.shape[1], torch.tensor([0, 2, 6]))
-    assert cache.length == PROMPT.shape[1] + 3
-    _, logits = target.forward(torch.tensor([[55]]), cache)
-    seq = torch.cat([PROMPT, tree.tokens[[0, 2, 6]][None], torch.tensor([[55]])], dim=1)
-    assert torch.allclose(logits[0, -1], target.model(seq).logits[0, -1], atol=1e-4)
 
 
 def test_cache_overflow_is_an_error():
@@ -93,7 +78,7 @@ def test_prepacked_target_and_draft_match_unpacked(dtype, atol):
     for target in (plain, packed):
         cache = target.new_cache(32)
         _, prefill = target.forward(ids, cache)
-        _, verify = target.verify(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1]), tree_mask, cache)
+        _, verify = tree_forward(target, cache, torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1]), tree_mask)
         _, step = target.forward(torch.tensor([[8]]), cache)  # batch 1: the decode step's GEMV
         outs.append((prefill, verify, step))
     for a, b in zip(*outs):
