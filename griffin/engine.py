@@ -40,12 +40,16 @@ from griffin.decode import (
 )
 from griffin.model import GriffinDraft
 from griffin.rows import RowCache, row_mask
-from griffin.static import MIN_BUCKET, decode_mode, mark_static
+from griffin.static import MIN_BUCKET, decode_mode, length_bucket, mark_static
 from griffin.target import TargetAdapter, decode_attention
 from griffin.tree import DraftTree, catch_up_rows, draft_rows, root_tree
-from griffin.verify import RowSampling, Walked, choose, position_uniforms, walk
+from griffin.verify import RowSampling, Walked, choose, position_keys, walk
 
 ROOT_ONLY = TreeConfig(total_tokens=1, depth=1, top_k=1)
+# rounds a lower load must last before the policy follows it (a higher load counts at once): rows
+# joining and leaving around a threshold would otherwise flip between trees and plain rounds, and
+# each return to drafting costs a catch-up on the plain rounds' backlog
+SWITCH_DOWN_ROUNDS = 4
 
 
 class SpeculationPolicy:
@@ -77,7 +81,7 @@ class DecodeRequest:
     prompt: list[int]
     sampling: SamplingConfig
     max_new_tokens: int
-    seed: int | None = None  # keys T>0 sampling (griffin.verify.position_uniforms); None: a fresh one
+    seed: int | None = None  # keys T>0 sampling (griffin.verify.position_keys); None: a fresh one
     stop_token_ids: list[int] | None = None  # None: the target's
     speculative: bool = True  # False: this request never drafts (A/B through one endpoint)
     on_tokens: TokenCallback | None = None  # each round's committed tokens; raising ends the request
@@ -109,9 +113,9 @@ class Row:
     def root(self) -> int:
         return self.out[-1]
 
-    def uniforms(self, count: int) -> list[float]:
-        """The draws for this row's next ``count`` output positions (griffin.verify.position_uniforms)."""
-        return position_uniforms(self.seed, len(self.out), count)
+    def keys(self, count: int) -> list[int]:
+        """The keys of this row's next ``count`` output positions (griffin.verify.position_keys)."""
+        return position_keys(self.seed, len(self.out), count)
 
 
 class BatchEngine:
@@ -138,6 +142,7 @@ class BatchEngine:
         if self.compiled:  # CUDA graphs write these buffers in place; sized for the whole context, they never move
             mark_static(self.cache.buffers() + (self.draft_cache.buffers() if self.draft_cache is not None else []))
         self.rounds, self.last_batch = 0, 0
+        self.policy_load, self.lower_rounds = 0, 0  # the load the policy last followed; rounds below it
         self.failed: BaseException | None = None  # fail_all's error: later requests end with it at once
 
     # ---- requests ----
@@ -241,7 +246,7 @@ class BatchEngine:
             )  # (1, T, D_f), (1, 1, V)
             self.cache.slots.lengths[slot] += ids.shape[1]
             rows = RowSampling.of([req.sampling], logits.shape[-1], device)
-            token = int(choose(logits[0, -1:], rows, torch.tensor(row.uniforms(1), dtype=torch.float64, device=device)))
+            token = int(choose(logits[0, -1:], rows, torch.tensor(row.keys(1), device=device)))
         except Exception as error:
             row.error = error
             return
@@ -266,10 +271,18 @@ class BatchEngine:
         with self.lock:
             return min(self.max_rows, len(self.rows) + len(self.waiting))
 
+    def _policy_load(self) -> int:
+        """``_load`` with hysteresis (``SWITCH_DOWN_ROUNDS``)."""
+        load = self._load()
+        self.lower_rounds = self.lower_rounds + 1 if load < self.policy_load else 0
+        if load >= self.policy_load or self.lower_rounds >= SWITCH_DOWN_ROUNDS:
+            self.policy_load, self.lower_rounds = load, 0
+        return self.policy_load
+
     def _round(self) -> None:
         rows, device = self.rows, self.target.device
         drafting = self.draft is not None and any(row.request.speculative for row in rows)
-        tree = self.policy.tree_for(self._load()) if drafting else None
+        tree = self.policy.tree_for(self._policy_load()) if drafting else None
         start = device_time(device)
         trees = self._draft(tree) if tree is not None else None
         mid = device_time(device)
@@ -310,6 +323,7 @@ class BatchEngine:
         rows, device = self.rows, self.target.device
         counts = [sum(run.numel() for run in row.pending_tokens) for row in rows]
         width, first = max(counts), rows[0].pending_features[0]
+        width = length_bucket(width) if self.compiled else width  # compiled: a shape per power of two
         features = torch.zeros(len(rows), width, first.shape[-1], device=device, dtype=first.dtype)
         tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for b, row in enumerate(rows):
@@ -341,8 +355,8 @@ class BatchEngine:
         device = logits.device
         with record_function("griffin.accept"):
             rows = RowSampling.of([row.request.sampling for row in self.rows], logits.shape[-1], device)
-            uniforms = torch.tensor([row.uniforms(depth + 1) for row in self.rows], dtype=torch.float64)
-            walks = walk(batch.tokens, batch.parents, logits, rows, uniforms.to(device))
+            keys = torch.tensor([row.keys(depth + 1) for row in self.rows])  # (B, D + 1)
+            walks = walk(batch.tokens, batch.parents, logits, rows, keys.to(device))
         with record_function("griffin.commit"):
             self.cache.keep_paths(0, [w.nodes for w in walks], batch.tokens.shape[1])
         return walks

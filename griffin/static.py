@@ -8,6 +8,7 @@ becomes a compiled function with no Python work that scales with the KV length:
 - the draft's step over rows (a tree level: K nodes per row; a catch-up: the committed pairs).
 
 What keeps their shapes fixed:
+- a catch-up of the committed pairs is padded to a power of two (``length_bucket``);
 - the KV caches are preallocated (griffin.rows) and a forward attends over a *bucket* of columns,
   the next power of two >= the rows' longest end (at least ``MIN_BUCKET``), not the exact width:
   columns past a row's end are zeros and masked (griffin.rows' invariant), so the output is the same
@@ -45,6 +46,13 @@ def width_bucket(width: int, capacity: int) -> int:
     >= width (at least MIN_BUCKET), capped at the cache's capacity. E.g. 70 -> 128, 10 -> 64."""
     bucket = max(MIN_BUCKET, 1 << (width - 1).bit_length())
     return max(width, min(bucket, capacity))
+
+
+def length_bucket(length: int) -> int:
+    """A compiled catch-up's padded length: the next power of two >= length (griffin.engine pads the
+    draft's catch-up of the committed pairs to it), so catch-ups take log2(context) shapes, not one
+    per length. E.g. 3 -> 4, 4 -> 4, 5 -> 8."""
+    return 1 << (length - 1).bit_length()
 
 
 def compile_step(fn: Any, device: torch.device) -> Any:

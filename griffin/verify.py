@@ -1,13 +1,17 @@
 """Lossless verification of draft trees against the target, every row of a batch at once (docs/method.md §5).
 
 Sampling is keyed by position. A request's token at output index i is drawn from the target's
-warped law at that position by the inverse CDF of one uniform u(seed, i) (``position_uniforms``);
-at T=0 it is the argmax. The draft's trees are deterministic (top-k), so EAGLE-2's recursive
+warped law p at that position by an exponential race: the token x with the largest p(x) / E(x),
+where the E(x) are independent Exp(1) draws keyed by (seed, i, x) (``position_keys``,
+``exponentials``); that x has law p exactly. At T=0 it is the argmax. The draft's trees are deterministic (top-k), so EAGLE-2's recursive
 rejection ("accept child c with probability p(c), else remove it and renormalise", children in
 rank order) has the law of "draw x from p; follow the child whose token is x, else emit x". The
 walk does the latter. So a seeded request's tokens are a fixed function of its seed and the
-target's distributions: the same alone or batched, speculative or plain, with any tree (exactly
-where the logits are equal), with the acceptance rate of recursive rejection.
+target's distributions: the same alone or batched, speculative or plain, with any tree, with the
+acceptance rate of recursive rejection. Logits equal only up to float rounding (a batched pass vs a
+single step) change the token only when the race's two leaders are that close (an inverse CDF would
+change it whenever the draw sat that close to any of V cumulative boundaries: measured on SmolLM2 at
+T=1, once in 256 tokens).
 
 Terms (as in vLLM's rejection sampler): the accepted tokens are the draft tokens on the walked
 path; the round's extra target token (``next``) is the recovered token when no child of the last
@@ -49,12 +53,32 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def position_uniforms(seed: int, start: int, count: int) -> list[float]:
-    """u(seed, i) in [0, 1) for output positions i in [start, start + count), 53 bits each.
-    Counter-based (the SplitMix64 stream of the seed's key, read at position i), so any
-    position's draw is known without drawing the ones before it."""
+def position_keys(seed: int, start: int, count: int) -> list[int]:
+    """The keys of output positions [start, start + count) of a request with ``seed``: the
+    SplitMix64 stream of the seed's key read at each position (counter-based, so any position's key
+    is known without the ones before), as signed 64-bit integers (torch.long)."""
     key = _mix64((seed + GOLDEN64) & MASK64)
-    return [(_mix64((key + (i + 1) * GOLDEN64) & MASK64) >> 11) * 2.0**-53 for i in range(start, start + count)]
+    return [_signed(_mix64((key + (i + 1) * GOLDEN64) & MASK64)) for i in range(start, start + count)]
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """A logical right shift of int64 values (torch's ``>>`` is arithmetic: it copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >> 63 else value
+
+
+def exponentials(keys: Tensor, vocab: int) -> Tensor:
+    """keys (B,) long -> Exp(1) draws (B, V) float64, one per (key, token): -log u with u from 53 bits
+    of SplitMix64 at (key + (token + 1) * golden), in torch's wrapping int64 arithmetic, so the draws
+    are the same on every device."""
+    z = keys[:, None] + torch.arange(1, vocab + 1, device=keys.device) * _signed(GOLDEN64)  # (B, V)
+    z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shift_right(z, 31)
+    return -torch.log((_shift_right(z, 11).double() + 0.5) * 2.0**-53)  # u in (0, 1): E in (0, 37.5)
 
 
 @dataclass
@@ -112,33 +136,32 @@ def warp_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return warp_rows(flat, rows).reshape(logits.shape)
 
 
-def choose(logits: Tensor, rows: RowSampling, uniforms: Tensor) -> Tensor:
+def choose(logits: Tensor, rows: RowSampling, keys: Tensor) -> Tensor:
     """The target's token for each row at one position, logits (B, V) -> (B,): a greedy row's
-    argmax, else the inverse CDF of the row's warped law at its uniform (B,) (float64)."""
+    argmax, else the winner of the exponential race on the row's warped law, with the row's key (B,)
+    for this position: argmax p(x) / E(x). A token of probability 0 never wins."""
     argmax = logits.argmax(-1)
     if rows.all_greedy:
         return argmax
-    cdf = warp_rows(logits, rows).double().cumsum(-1)  # (B, V)
-    # the first token whose cumulative mass exceeds u * total: a token of probability 0 never is
-    sampled = torch.searchsorted(cdf, (uniforms[:, None] * cdf[:, -1:]).contiguous(), right=True)[:, 0]
-    return torch.where(rows.greedy, argmax, sampled.clamp(max=logits.shape[-1] - 1))
+    race = warp_rows(logits, rows).double() / exponentials(keys, logits.shape[-1])  # (B, V)
+    return torch.where(rows.greedy, argmax, race.argmax(-1))
 
 
-def walk(tokens: Tensor, parents: Tensor, logits: Tensor, rows: RowSampling, uniforms: Tensor) -> list[Walked]:
+def walk(tokens: Tensor, parents: Tensor, logits: Tensor, rows: RowSampling, keys: Tensor) -> list[Walked]:
     """Every row's walk down its tree: the nodes it accepted and the tokens it commits.
 
     tokens, parents: (B, N) the trees (node 0 the root; a padding node's parent is -2);
-    logits: (B, N, V) the target's at each node; uniforms: (B, D + 1) float64, row b's draw for the
-    token after its depth-d node. At each depth the row's token is chosen from the current node's
+    logits: (B, N, V) the target's at each node; keys: (B, D + 1) long, row b's key for the token
+    after its depth-d node. At each depth the row's token is chosen from the current node's
     logits and the walk follows the child holding it (siblings are distinct: at most one). All rows
     advance together on the device; the walks reach the host in one transfer."""
-    B, depth = tokens.shape[0], uniforms.shape[1] - 1
+    B, depth = tokens.shape[0], keys.shape[1] - 1
     batch = torch.arange(B, device=tokens.device)
     node = torch.zeros(B, dtype=torch.long, device=tokens.device)  # (B,) the row's current node
     alive = torch.ones(B, dtype=torch.bool, device=tokens.device)  # the row reached this depth
     nodes, chosen = [node], []
     for d in range(depth + 1):
-        choice = choose(logits[batch, node], rows, uniforms[:, d])  # (B,)
+        choice = choose(logits[batch, node], rows, keys[:, d])  # (B,)
         chosen.append(torch.where(alive, choice, -1))
         if d == depth:
             break

@@ -79,18 +79,23 @@ FAULTS = {
 }
 
 
+def random_keys(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """Random 64-bit position keys (griffin.verify.position_keys' type) from ``generator``."""
+    return torch.randint(-(2**63), 2**63 - 1, shape, generator=generator)
+
+
 def first_token(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
-    """The target's own draw at the prompt, logits (V,), by griffin.verify.choose at a uniform from ``generator``."""
-    u = torch.rand(1, generator=generator, dtype=torch.float64)
-    return int(choose(logits[None], RowSampling.of([sampling], logits.shape[-1], logits.device), u))
+    """The target's own draw at the prompt, logits (V,), by griffin.verify.choose at a random key."""
+    rows = RowSampling.of([sampling], logits.shape[-1], logits.device)
+    return int(choose(logits[None], rows, random_keys((1,), generator)))
 
 
 def griffin_verifier(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, generator) -> tuple[list[int], int]:
-    """griffin.verify.walk on one tree, logits (N, V), with one uniform from ``generator`` per depth:
-    the accepted nodes (root first) and the next token."""
-    u = torch.rand(1, int(tree.depths.max()) + 1, generator=generator, dtype=torch.float64)
+    """griffin.verify.walk on one tree, logits (N, V), with a random key per depth: the accepted
+    nodes (root first) and the next token."""
+    keys = random_keys((1, int(tree.depths.max()) + 1), generator)
     rows = RowSampling.of([sampling], logits.shape[-1], logits.device)
-    walked = walk(tree.tokens[None], tree.parents[None], logits[None], rows, u)[0]
+    walked = walk(tree.tokens[None], tree.parents[None], logits[None], rows, keys)[0]
     return walked.nodes, walked.tokens[-1]
 
 

@@ -72,19 +72,33 @@ def test_compiled_equals_eager_token_for_token(models, temperature):
 
 
 @pytest.mark.parametrize("models", ["llama"], indirect=True)  # one architecture: compiling costs ~30 s a test
-def test_compiled_batch_equals_eager(models):
+def test_compiled_batch_equals_eager(models, monkeypatch):
     """Rows of different lengths decode together, one of them plainly (speculative: false); a
-    policy switches to plain rounds at batch 3: every row equals its eager decode."""
+    policy switches to plain rounds at batch 3 and back as rows leave: every row equals its eager decode, and every
+    compiled catch-up is padded to a power of two (a shape per bucket, not per length)."""
+    import griffin.engine
+
     target, twin, draft = models
+    widths, catch_up = {}, griffin.engine.catch_up_rows
+
+    def recording(draft, cache, features, tokens, counts, compiled=False):
+        widths.setdefault(compiled, []).append(tokens.shape[1])
+        return catch_up(draft, cache, features, tokens, counts, compiled)
+
+    monkeypatch.setattr(griffin.engine, "catch_up_rows", recording)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 30, 47)]
     policy = SpeculationPolicy({1: TREE, 3: None})
 
     def decode(t):
-        requests = [DecodeRequest(p, SamplingConfig(temperature=0.8), 40, i, [], i != 1) for i, p in enumerate(prompts)]
+        requests = [
+            DecodeRequest(p, SamplingConfig(temperature=0.8), 12 + 16 * i, i, [], i != 1) for i, p in enumerate(prompts)
+        ]  # budgets 12, 28, 44: plain rounds while three decode, then the tree
         return [r.tokens for r in generate_batch(t, draft, requests, policy)]
 
     assert decode(twin) == decode(target)
+    assert widths[True] and all(w & (w - 1) == 0 for w in widths[True]), widths[True]
+    assert any(w & (w - 1) for w in widths[False])  # eager catch-ups are not padded
 
 
 @pytest.mark.parametrize("models", ["llama"], indirect=True)

@@ -47,15 +47,14 @@ def test_engine_samples_the_targets_law(variant, tree, sampling, batched):
     assert p_value > PASS_P, f"chi-square p-value {p_value:.1e}"
 
 
-def raw_choose(logits, rows, uniforms):
-    """A planted bug: the draw by the inverse CDF of the raw softmax, without the warper."""
-    cdf = logits.double().softmax(-1).cumsum(-1)
-    return torch.searchsorted(cdf, uniforms[:, None].contiguous(), right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+def raw_choose(logits, rows, keys):
+    """A planted bug: the race on the raw softmax, without the warper."""
+    return (logits.double().softmax(-1) / griffin.verify.exponentials(keys, logits.shape[-1])).argmax(-1)
 
 
-def uniform_leaf_bonus(tokens, parents, logits, rows, uniforms):
+def uniform_leaf_bonus(tokens, parents, logits, rows, keys):
     """A planted bug: a row whose walk ends at a leaf replaces its bonus by a uniform token."""
-    walks = griffin.verify.walk(tokens, parents, logits, rows, uniforms)
+    walks = griffin.verify.walk(tokens, parents, logits, rows, keys)
     for b, walked in enumerate(walks):
         if not bool((parents[b] == walked.nodes[-1]).any()):
             walked.tokens[-1] = int(torch.randint(logits.shape[-1], ()))
@@ -63,8 +62,8 @@ def uniform_leaf_bonus(tokens, parents, logits, rows, uniforms):
 
 
 def one_draw_per_round(row, count):
-    """A planted bug: a round reuses its first position's draw at every depth."""
-    return griffin.verify.position_uniforms(row.seed, len(row.out), 1) * count
+    """A planted bug: a round reuses its first position's key at every depth."""
+    return griffin.verify.position_keys(row.seed, len(row.out), 1) * count
 
 
 @pytest.mark.parametrize(
@@ -73,7 +72,7 @@ def one_draw_per_round(row, count):
         ((griffin.engine, "walk", uniform_leaf_bonus), "leaf", "T1", False),
         ((griffin.verify, "choose", raw_choose), "leaf", "T0.7-top_p-top_k", True),
         ((griffin.engine, "choose", raw_choose), "leaf", "T0.7-top_p-top_k", True),
-        ((griffin.engine.Row, "uniforms", one_draw_per_round), "tree", "T1", True),
+        ((griffin.engine.Row, "keys", one_draw_per_round), "tree", "T1", True),
     ],
     ids=["uniform-leaf-bonus-alone", "walk-without-warper-batched", "prefill-without-warper-batched",
          "one-draw-per-round-batched"],

@@ -1,12 +1,14 @@
 """Verification on hand-made trees, its exact law on a Markov target with the controls that prove
 the law tests can fail (tests/griffin/law.py), and the position-keyed draws. Pure functions, no model."""
 
+import math
+
 import pytest
 import torch
 
 from griffin.config import SamplingConfig
 from griffin.tree import _assemble
-from griffin.verify import RowSampling, Walked, choose, position_uniforms, walk, warp_probs, warp_rows
+from griffin.verify import RowSampling, Walked, choose, exponentials, position_keys, walk, warp_probs, warp_rows
 from tests.griffin.law import (
     CONTROL_P,
     FAULTS,
@@ -17,6 +19,7 @@ from tests.griffin.law import (
     chi_square_p,
     griffin_verifier,
     planted_verifier,
+    random_keys,
     reference_probs,
     sample_windows,
 )
@@ -45,50 +48,57 @@ def test_hand_tree_structure():
     assert sorted(tree.retrieve.tolist()) == [[0, 1, 4], [0, 1, 5], [0, 2, 6], [0, 3, -1]]
 
 
-def walk_one(tree, logits, sampling, uniforms):
+def walk_one(tree, logits, sampling, keys):
     rows = RowSampling.of([sampling], V, "cpu")
-    return walk(tree.tokens[None], tree.parents[None], logits[None], rows, torch.tensor([uniforms]).double())[0]
+    return walk(tree.tokens[None], tree.parents[None], logits[None], rows, torch.tensor([keys]))[0]
 
 
 def test_greedy_walk():
     tree = hand_tree()
     logits = torch.full((7, V), -5.0)
     logits[0, 0] = logits[1, 1] = logits[5, 2] = 5.0  # root->0 (node 1) -> 1 (node 5) -> bonus 2
-    assert walk_one(tree, logits, SamplingConfig(), [0.5] * 3) == Walked([0, 1, 5], [0, 1, 2])
+    assert walk_one(tree, logits, SamplingConfig(), [0] * 3) == Walked([0, 1, 5], [0, 1, 2])
     logits[0] = -5.0
     logits[0, 3] = 5.0  # target wants 3 at the root: no child matches
-    assert walk_one(tree, logits, SamplingConfig(), [0.5] * 3) == Walked([0], [3])
+    assert walk_one(tree, logits, SamplingConfig(), [0] * 3) == Walked([0], [3])
 
 
-def test_sampled_walk_follows_the_inverse_cdf_of_each_depths_draw():
-    """T=1 on uniform laws over 5 tokens: the draw u picks token floor(5u), so the walk is known.
-    Root: u=0.1 -> token 0 (node 1); node 1: u=0.3 -> token 1 (node 5, a leaf); bonus: u=0.9 -> 4."""
-    tree, flat, t1 = hand_tree(), torch.zeros(7, V), SamplingConfig(temperature=1.0)
-    assert walk_one(tree, flat, t1, [0.1, 0.3, 0.9]) == Walked([0, 1, 5], [0, 1, 4])
-    # root u=0.5 -> token 2 (node 3, a leaf); the bonus at node 3 reads the depth-1 draw 0.7 -> 3
-    assert walk_one(tree, flat, t1, [0.5, 0.7, 0.0]) == Walked([0, 3], [2, 3])
-    # root u=0.7 -> token 3: no child holds it, so it is the recovered token
-    assert walk_one(tree, flat, t1, [0.7, 0.0, 0.0]) == Walked([0], [3])
+def sequential_walk(tree, logits, sampling, keys) -> Walked:
+    """The walk's definition, one depth at a time: the token chosen at the current node with that
+    depth's key; move to the child holding it, or end with it."""
+    rows, node, nodes, tokens = RowSampling.of([sampling], V, "cpu"), 0, [0], []
+    for key in keys:
+        token = int(choose(logits[node][None], rows, torch.tensor([key])))
+        tokens.append(token)
+        child = next((c for c in tree.children[node] if int(tree.tokens[c]) == token), None)
+        if child is None:
+            return Walked(nodes, tokens)
+        node = child
+        nodes.append(node)
+    raise AssertionError("the keys ran out before the walk ended")
 
 
-def test_rows_walk_with_their_own_sampling_and_draws():
+def test_rows_walk_as_the_sequential_definition_with_their_own_sampling_and_keys():
     """A batch of rows (one greedy, three with other warpers; trees of other widths, padded) walks
-    as each row alone."""
+    as each row alone, and as the walk's one-depth-at-a-time definition; nodes are accepted."""
     trees = [hand_tree(), hand_tree(), MarkovTarget.make(vocab=V).tree(2, "chain"), hand_tree()]
     samplings = [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=2),
                  SamplingConfig(temperature=1.3, top_p=0.6)]  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    N = max(t.size for t in trees)
-    for _ in range(20):
+    N, accepted = max(t.size for t in trees), 0
+    for _ in range(30):
         logits = [torch.randn(t.size, V, generator=gen) * 2 for t in trees]
-        uniforms = torch.rand(4, 3, generator=gen, dtype=torch.float64)
+        keys = random_keys((4, 3), gen)
         tokens, parents, padded = torch.zeros(4, N, dtype=torch.long), torch.full((4, N), -2), torch.zeros(4, N, V)
         for b, t in enumerate(trees):
             tokens[b, : t.size], parents[b, : t.size], padded[b, : t.size] = t.tokens, t.parents, logits[b]
-        batched = walk(tokens, parents, padded, RowSampling.of(samplings, V, "cpu"), uniforms)
+        batched = walk(tokens, parents, padded, RowSampling.of(samplings, V, "cpu"), keys)
         for b, t in enumerate(trees):
-            depth = int(t.depths.max())
-            assert batched[b] == walk_one(t, logits[b], samplings[b], uniforms[b, : depth + 1].tolist())
+            own_keys = keys[b, : int(t.depths.max()) + 1].tolist()
+            assert batched[b] == walk_one(t, logits[b], samplings[b], own_keys)
+            assert batched[b] == sequential_walk(t, logits[b], samplings[b], own_keys)
+            accepted += batched[b].accept_len
+    assert accepted > 30
 
 
 def test_each_rows_warper_is_its_own():
@@ -101,26 +111,32 @@ def test_each_rows_warper_is_its_own():
         assert torch.allclose(rows[b].double(), reference_probs(logits[b], sampling), atol=1e-6)
 
 
-def test_choose_never_draws_a_token_outside_the_warped_support():
-    logits = torch.tensor([[0.0, -float("inf"), 1.0, 0.5, -1.0]])
-    rows = RowSampling.of([SamplingConfig(temperature=1.0, top_k=3)], V, "cpu")  # keeps tokens 0, 2, 3
-    draws = torch.linspace(0, 1 - 1e-16, 999, dtype=torch.float64)
-    assert {int(choose(logits, rows, u[None])) for u in draws} == {0, 2, 3}
+def test_the_race_draws_the_warped_law_independently_per_position_and_seed():
+    """choose() over 6 tokens at 12,000 position keys (200 seeds x 60 positions): the tokens follow
+    the warped law (top-k 3 at T=0.7: the other 3 are never drawn), and pairs at neighbouring
+    positions and at neighbouring seeds are independent (chi-square against the product law). Keys
+    are counter-based: a position's key needs none of the ones before."""
+    assert position_keys(7, 5, 3) == position_keys(7, 0, 8)[5:]
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.9, -2.0, 0.0])
+    sampling = SamplingConfig(temperature=0.7, top_k=3)
+    keys = torch.tensor([position_keys(seed, 0, 60) for seed in range(200)])  # (200, 60)
+    rows = RowSampling.of([sampling] * keys.numel(), 6, "cpu")
+    drawn = choose(logits.expand(keys.numel(), 6), rows, keys.flatten()).view(keys.shape)
+    law = reference_probs(logits, sampling)
+    assert chi_square_p(torch.bincount(drawn.flatten(), minlength=6), law) > PASS_P
+    for first, second in [(drawn[:, :-1], drawn[:, 1:]), (drawn[:-1], drawn[1:])]:  # positions, seeds
+        pairs = torch.bincount((first * 6 + second).flatten(), minlength=36)
+        assert chi_square_p(pairs, (law[:, None] * law[None]).flatten()) > PASS_P
 
 
-def test_position_draws_are_uniform_independent_and_counter_based():
-    """u(seed, i): the same at any start (a position's draw needs no earlier one), distinct across
-    seeds and positions; 20 equal bins, and pairs of neighbouring positions and of neighbouring
-    seeds, are uniform by chi-square."""
-    assert position_uniforms(7, 5, 3) == position_uniforms(7, 0, 8)[5:]
-    draws = torch.tensor([position_uniforms(seed, 0, 64) for seed in range(500)], dtype=torch.float64)  # (500, 64)
-    assert draws.min() >= 0 and draws.max() < 1 and len(set(draws.flatten().tolist())) == draws.numel()
-    bins = torch.bincount((draws * 20).long().flatten(), minlength=20)
-    assert chi_square_p(bins, torch.full((20,), 1 / 20)) > PASS_P
-    coarse = (draws * 5).long()
-    for first, second in [(coarse[:, :-1], coarse[:, 1:]), (coarse[:-1], coarse[1:])]:  # positions, seeds
-        pairs = torch.bincount((first * 5 + second).flatten(), minlength=25)
-        assert chi_square_p(pairs, torch.full((25,), 1 / 25)) > PASS_P
+def test_the_races_exponentials_are_exp1_and_a_function_of_the_key():
+    """E(x): positive, mean 1, Exp(1)'s quantiles, and the same again for the same keys."""
+    keys = torch.tensor(position_keys(3, 0, 50))
+    draws = exponentials(keys, 4000)  # (50, 4000)
+    assert torch.equal(draws, exponentials(keys, 4000)) and draws.min() > 0
+    assert abs(float(draws.mean()) - 1) < 0.01
+    for q in (0.1, 0.5, 0.9):
+        assert abs(float(draws.flatten().quantile(q)) + math.log(1 - q)) < 0.01
 
 
 def test_warp_top_k_top_p():

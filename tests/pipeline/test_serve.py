@@ -113,7 +113,7 @@ class FakeEngine:
         self.engine = self  # stream_rounds talks to ``engine.engine``
 
     def submit(self, request):
-        row = Row(request, set())
+        row = Row(request, set(), 0)
         self.threads.append(threading.Thread(target=self._run, args=(row,), daemon=True))
         self.threads[-1].start()
         return row
