@@ -54,20 +54,24 @@ SWITCH_DOWN_ROUNDS = 4
 
 class SpeculationPolicy:
     """The tree for each batch size: ``trees[b]`` for the largest listed b <= the batch; ``None`` =
-    plain decoding. E.g. {1: wide, 2: small, 4: None}: batch 3 uses small, batch 8 decodes plainly."""
+    plain decoding. E.g. {1: wide, 2: small, 4: None}: batch 3 uses small, batch 8 decodes plainly.
+    ``sampling_tree`` replaces a drafting tree in a round whose drafting rows all sample (T > 0): a
+    draft token is then accepted only with the target's probability of it, so a smaller tree pays."""
 
-    def __init__(self, trees: dict[int, TreeConfig | None]):
+    def __init__(self, trees: dict[int, TreeConfig | None], sampling_tree: TreeConfig | None = None):
         if not trees or min(trees) != 1:
             raise ValueError(f"a speculation policy needs an entry for batch size 1, got {sorted(trees)}")
         self.trees = dict(sorted(trees.items()))
+        self.sampling_tree = sampling_tree
 
-    def tree_for(self, batch: int) -> TreeConfig | None:
-        return [tree for size, tree in self.trees.items() if size <= batch][-1]
+    def tree_for(self, batch: int, sampling: bool = False) -> TreeConfig | None:
+        tree = [tree for size, tree in self.trees.items() if size <= batch][-1]
+        return self.sampling_tree if tree is not None and sampling and self.sampling_tree is not None else tree
 
     @property
     def tree_slack(self) -> int:
         """KV entries a round may write past a row's length: the widest tree, plus its draft levels."""
-        trees = [t for t in self.trees.values() if t]
+        trees = [t for t in [*self.trees.values(), self.sampling_tree] if t]
         return max((t.total_tokens for t in trees), default=1) + max(
             ((t.depth - 1) * t.top_k for t in trees), default=0
         )
@@ -281,8 +285,9 @@ class BatchEngine:
 
     def _round(self) -> None:
         rows, device = self.rows, self.target.device
-        drafting = self.draft is not None and any(row.request.speculative for row in rows)
-        tree = self.policy.tree_for(self._policy_load()) if drafting else None
+        drafting_rows = [row for row in rows if row.request.speculative] if self.draft is not None else []
+        sampling = all(not row.request.sampling.greedy for row in drafting_rows)
+        tree = self.policy.tree_for(self._policy_load(), sampling) if drafting_rows else None
         start = device_time(device)
         trees = self._draft(tree) if tree is not None else None
         mid = device_time(device)

@@ -1,8 +1,9 @@
-"""T=0 speculative decoding replayed with the draft alone, from the target's greedy continuation.
+"""Speculative decoding replayed with the draft alone, from the target's own continuation.
 
-At T=0 a verify pass accepts exactly the longest tree path that spells the target's greedy
-continuation (``griffin.verify.walk`` at T=0), and what it commits is that continuation. So one
-vanilla decode of a prompt and one target forward over it give everything a round needs: the
+A verify pass accepts exactly the longest tree path that spells the continuation the target itself
+decodes (``griffin.verify.walk``): its greedy one at T=0, and at T>0 its seeded one, since a seeded
+request's tokens are the same drafting or not (draws keyed by position). So one vanilla decode of a
+prompt and one target forward over it give everything a round needs: the
 target's next tokens and its features at every committed position. Replaying the rounds then runs
 only the draft: the same trees and the same accepted lengths as ``speculative_generate`` (up to float
 noise in near-tied draft scores), at a fifth to a tenth of a round's cost on a CPU. ``griffin tune-tree``
@@ -30,30 +31,33 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 
 @dataclass
-class GreedyReference:
-    """A prompt's greedy continuation and the target's features over prompt + continuation."""
+class DecodeReference:
+    """A prompt's continuation (greedy, or seeded at T>0) and the target's features over prompt + continuation."""
 
     input_ids: Tensor  # (1, T)
-    continuation: list[int]  # (L_ext,) greedy tokens, decoded on past a stop token by ``lookahead``
+    continuation: list[int]  # (L_ext,) the target's tokens, decoded on past a stop token by ``lookahead``
     length: int  # tokens vanilla decoding returns: up to the first stop token, at most max_new_tokens
     features: Tensor  # (1, T + L_ext - 1, D_f) the target's features at every position but the last
     vanilla_step_seconds: float  # mean single-token step of the decode that produced it
 
 
-def greedy_reference(
+def decode_reference(
     target: TargetAdapter,
     input_ids: Tensor,
     max_new_tokens: int,
     lookahead: int,
     feature_layers: tuple[int, ...] | None = None,
     stop_token_ids: list[int] | None = None,
-) -> GreedyReference:
-    """Decode ``max_new_tokens + lookahead`` greedy tokens ignoring stop tokens (a last round may
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+) -> DecodeReference:
+    """Decode ``max_new_tokens + lookahead`` tokens (greedy, or with ``sampling`` and ``seed``)
+    ignoring stop tokens (a last round may
     accept draft tokens past the length limit or a stop token; a lookahead of the tree's depth lets a
     replay count them as the decoder does), then run the target once over the whole sequence for its
     features. ``stop_token_ids`` (default: the target's) end the decode the replay reproduces. Not
     under ``inference_mode``: a compiled target's decode steps cannot take it (griffin.static)."""
-    result = vanilla_generate(target, input_ids, GREEDY, max_new_tokens + lookahead, stop_token_ids=[])
+    result = vanilla_generate(target, input_ids, sampling, max_new_tokens + lookahead, seed, stop_token_ids=[])
     continuation = result.tokens
     stops = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     length = next(
@@ -66,7 +70,7 @@ def greedy_reference(
             sequence, target.new_cache(sequence.shape[1]), all_logits=False, feature_layers=feature_layers
         )  # (1, T + L_ext - 1, D_f)
     step = result.stats.verify_time / max(result.stats.rounds, 1)
-    return GreedyReference(input_ids, continuation, length, features, step)
+    return DecodeReference(input_ids, continuation, length, features, step)
 
 
 @dataclass
@@ -80,7 +84,7 @@ class Replay:
 
 
 def accepted_along(tree: DraftTree, upcoming: list[int]) -> int:
-    """Draft tokens a T=0 verify accepts when the target's greedy tokens after the root are ``upcoming``."""
+    """Draft tokens a verify accepts when the target's own tokens after the root are ``upcoming``."""
     tokens, node, depth = tree.tokens.tolist(), 0, 0
     while depth < len(upcoming):
         node = next((c for c in tree.children[node] if tokens[c] == upcoming[depth]), None)
@@ -91,8 +95,9 @@ def accepted_along(tree: DraftTree, upcoming: list[int]) -> int:
 
 
 @torch.inference_mode()
-def replay_greedy(draft: GriffinDraft, reference: GreedyReference, tree: TreeConfig) -> Replay:
-    """The rounds ``speculative_generate`` would run at T=0 on ``reference``'s prompt, draft only."""
+def replay_decode(draft: GriffinDraft, reference: DecodeReference, tree: TreeConfig) -> Replay:
+    """The rounds ``speculative_generate`` would run on ``reference``'s prompt (at its sampling and
+    seed), draft only."""
     prompt, continuation, features = reference.input_ids, reference.continuation, reference.features
     T, device, replay = prompt.shape[1], features.device, Replay()
     capacity = T + len(continuation) + (tree.depth - 1) * tree.top_k + 1

@@ -57,10 +57,12 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     else:
         tuning = run_tune_tree(cfg, draft=model_uri)
     best = tuning["best"]
-    tree = TreeConfig(**{name: best[name] for name in ("total_tokens", "depth", "top_k")})
+    fields = ("total_tokens", "depth", "top_k")
+    tree = TreeConfig(**{name: best[name] for name in fields})
+    sampling_tree = TreeConfig(**{name: tuning["sampling"]["best"][name] for name in fields})
     say(
         f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
-        f"(τ {best['tau']:.2f} on the calibration prompts)"
+        f"(τ {best['tau']:.2f} on the calibration prompts); at T > 0: {sampling_tree.label}"
     )
     say(
         "serving policy (tree per batch size): "
@@ -70,7 +72,9 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     )
     return cfg.model_copy(
         update={
-            "decode": cfg.decode.model_copy(update={"tree": tree, "policy": _policy(tuning["policy"])}),
+            "decode": cfg.decode.model_copy(
+                update={"tree": tree, "sampling_tree": sampling_tree, "policy": _policy(tuning["policy"])}
+            ),
             "eval": cfg.eval.model_copy(update={"tree": None}),
         }
     )

@@ -65,6 +65,8 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     assert report["mode"] == "through_serve" and report["summary"]["results"]["mt_bench/T0"]["mismatches"] == 0
     tuned = json.loads((run_dir / "tune_tree" / "tune_tree.json").read_text())["best"]
     assert report["tree"] == {k: tuned[k] for k in ("total_tokens", "depth", "top_k")}  # evaluated with the tuned tree
+    sampled = json.loads((run_dir / "tune_tree" / "tune_tree.json").read_text())["sampling"]["best"]
+    assert report["sampling_tree"] == {k: sampled[k] for k in ("total_tokens", "depth", "top_k")}  # ... and at T > 0
     regenerated = json.loads((tmp_path / "tiny-llama-regenerated" / "_manifest.json").read_text())
     assert regenerated["complete"] and regenerated["totals"]["rows"] > 0
     assert summary["promotion"]["promoted"] is True  # the first measured version becomes champion

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 
 from griffin.config import TreeConfig  # noqa: E402
 from griffin.decode import acceptance_length as tau, speculative_generate  # noqa: E402
-from griffin.replay import GREEDY, greedy_reference, replay_greedy  # noqa: E402
+from griffin.replay import GREEDY, decode_reference, replay_decode  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.evaluate.report import hardware  # noqa: E402
 from pipeline.resources.drafts import load_draft_uri  # noqa: E402
@@ -47,7 +47,7 @@ def main() -> None:
     prompts = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, args.prompts)]
     speculative_generate(target, draft, prompts[0], TreeConfig(total_tokens=6, depth=2, top_k=2), GREEDY, 8)  # warm-up
     start = time.perf_counter()
-    references = [greedy_reference(target, ids, args.new, max(DEPTHS), draft.cfg.feature_layers) for ids in prompts]
+    references = [decode_reference(target, ids, args.new, max(DEPTHS), draft.cfg.feature_layers) for ids in prompts]
     reference_s = time.perf_counter() - start
 
     rows = []
@@ -60,7 +60,7 @@ def main() -> None:
             decoded = speculative_generate(target, draft, ids, tree, GREEDY, args.new)
             real_s += time.perf_counter() - start
             start = time.perf_counter()
-            replay = replay_greedy(draft, reference, tree)
+            replay = replay_decode(draft, reference, tree)
             replay_s += time.perf_counter() - start
             assert decoded.tokens == reference.continuation[: reference.length]
             real.append(decoded.stats.accepted_per_round)

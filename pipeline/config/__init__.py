@@ -115,10 +115,11 @@ class RunConfig(Section):
     @property
     def speculation_policy(self) -> Any:
         """The serving engine's tree per batch size (griffin.engine.SpeculationPolicy): ``decode.policy``,
-        with ``decode.tree`` below its smallest batch size (at every size without a policy)."""
+        with ``decode.tree`` below its smallest batch size (at every size without a policy), and
+        ``decode.sampling_tree`` for rounds whose drafting rows all sample."""
         from griffin.engine import SpeculationPolicy
 
-        return SpeculationPolicy({1: self.decode.tree, **(self.decode.policy or {})})
+        return SpeculationPolicy({1: self.decode.tree, **(self.decode.policy or {})}, self.decode.sampling_tree)
 
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)

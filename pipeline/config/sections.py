@@ -303,6 +303,12 @@ class DecodeSection(Section):
     eval use, how tune-tree searches them, and whether the decode steps run compiled."""
 
     tree: TreeConfig = Field(default_factory=TreeConfig)
+    sampling_tree: TreeConfig | None = Field(
+        default=None,
+        description="the tree a round drafts when every drafting row samples (T > 0), wherever the policy "
+        "drafts; null: the policy's tree. At T > 0 a draft token is accepted with the target's probability "
+        "of it, so a smaller tree usually pays; griffin tune-tree measures it at T = 1",
+    )
     compile: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="run the decode steps as compiled static-shape graphs (griffin.static; CUDA graphs on "

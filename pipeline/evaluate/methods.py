@@ -40,8 +40,11 @@ class Output:
 Method = Callable[[list[dict[str, str]], list[int], SamplingConfig, int, int], Output]
 
 
-def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None = None) -> Method:
-    """Our decoder in this process: speculative with ``draft`` and ``tree``, vanilla without."""
+def local_decoder(
+    target: Any, draft: Any | None = None, tree: TreeConfig | None = None, sampling_tree: TreeConfig | None = None
+) -> Method:
+    """Our decoder in this process: speculative with ``draft`` and ``tree`` (``sampling_tree`` at
+    T > 0 when set, as a replica's policy does), vanilla without."""
 
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
         ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
@@ -49,7 +52,8 @@ def local_decoder(target: Any, draft: Any | None = None, tree: TreeConfig | None
         if draft is None:
             result = vanilla_generate(target, ids, sampling, max_new, seed)
         else:
-            result = speculative_generate(target, draft, ids, tree, sampling, max_new, seed)
+            used = sampling_tree if sampling_tree is not None and not sampling.greedy else tree
+            result = speculative_generate(target, draft, ids, used, sampling, max_new, seed)
         seconds = time.perf_counter() - start
         text = completion_text(target.tokenizer, result.tokens, target.stop_token_ids, [])[0]
         if draft is None:
@@ -148,10 +152,11 @@ def build_methods(
     if evaluation.through_serve:
         methods, started = _endpoint_methods(cfg, draft_uri)
     else:
-        methods = {"griffin": local_decoder(target, drafts["griffin"], cfg.eval_tree), "vanilla": local_decoder(target)}
+        griffin = local_decoder(target, drafts["griffin"], cfg.eval_tree, cfg.decode.sampling_tree)
+        methods = {"griffin": griffin, "vanilla": local_decoder(target)}
     for label, draft in drafts.items():
         if label != "griffin":
-            methods[label] = local_decoder(target, draft, cfg.eval_tree)
+            methods[label] = local_decoder(target, draft, cfg.eval_tree, cfg.decode.sampling_tree)
     stock = _stock(cfg, target) if any(b.startswith("hf_") for b in evaluation.baselines) else target
     if "hf_generate" in evaluation.baselines:
         methods["hf_generate"] = hf_decoder(stock)

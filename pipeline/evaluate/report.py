@@ -153,6 +153,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str], cfg: Any, targe
         "target": target.name,
         "draft": draft_uri,
         "tree": cfg.eval_tree.model_dump(),
+        "sampling_tree": cfg.decode.sampling_tree.model_dump() if cfg.decode.sampling_tree else None,
         "draft_tokens_per_round": cfg.eval_tree.total_tokens - 1,
         "hardware": hardware(),
         "config": cfg.resolved(),

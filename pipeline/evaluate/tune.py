@@ -33,11 +33,11 @@ from typing import Any, Callable
 
 import torch
 
-from griffin.config import TreeConfig
+from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import acceptance_length, speculative_generate
 from griffin.engine import SpeculationPolicy
 from griffin.offline import verify_cost
-from griffin.replay import GREEDY, GreedyReference, greedy_reference, replay_greedy
+from griffin.replay import GREEDY, DecodeReference, decode_reference, replay_decode
 from pipeline import console
 from pipeline.config import RunConfig
 from pipeline.evaluate.batch_policy import candidate_trees, measure_policy, policy_json, policy_table
@@ -49,6 +49,8 @@ DEPTHS = (2, 3, 4, 5, 6, 8)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 POLICY_MAX_NEW = 32  # tokens per prompt when measuring the policy (a batch of 8 x 5 options x 2 repetitions)
 CURVE_PREFIX = 256  # committed tokens before the verified tree (a mid-conversation context)
+SAMPLING = SamplingConfig(temperature=1.0)  # decode.sampling_tree is tuned at the API's default temperature
+SAMPLING_START = TreeConfig(total_tokens=4, depth=1, top_k=3)  # a wide, shallow start: T=1 accepts little
 # the engine's KV slack for every tree of the search: one engine (compiled: one capture) serves them all
 SEARCH_POLICY = SpeculationPolicy({1: TreeConfig(total_tokens=max(TOTAL_TOKENS), depth=max(DEPTHS), top_k=max(TOP_KS))})
 
@@ -77,11 +79,11 @@ def verify_cost_curve(target: Any, draft: Any, sizes: tuple[int, ...], repeats: 
 
 
 def measure_tree(
-    draft: Any, references: list[GreedyReference], tree: TreeConfig, verify_ms_by_tokens: dict[int, float]
+    draft: Any, references: list[DecodeReference], tree: TreeConfig, verify_ms_by_tokens: dict[int, float]
 ) -> Candidate:
     """tau and the median drafting time of a round, replayed over every reference; the verify phase
     from the cost curve."""
-    replays = [replay_greedy(draft, reference, tree) for reference in references]
+    replays = [replay_decode(draft, reference, tree) for reference in references]
     tau = acceptance_length([a for replay in replays for a in replay.accepted_per_round])
     draft_s = median(s for replay in replays for s in replay.draft_seconds)
     verify_s = verify_ms_by_tokens[tree.total_tokens] / 1e3
@@ -144,6 +146,10 @@ def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: 
         "sweeps": cfg.decode.tune_sweeps,
         "batches": sorted(set(cfg.decode.tune_batches) | {1}),
         "start": cfg.eval_tree.model_dump(),
+        "sampling": {
+            "temperature": SAMPLING.temperature,
+            "start": (cfg.decode.sampling_tree or SAMPLING_START).model_dump(),
+        },
         "machine": machine_identity(),
     }
 
@@ -173,23 +179,15 @@ def run_tune_tree(
     curve = verify_cost_curve(target, draft_model, (1, *TOTAL_TOKENS))
     logger.info("tune-tree: verify cost curve (ms by tree tokens): %s", {n: round(ms, 1) for n, ms in curve.items()})
     speculative_generate(target, draft_model, calibration[0], cfg.eval_tree, GREEDY, 8)  # warm-up
-    references = [
-        greedy_reference(target, ids, max_new_tokens, max(DEPTHS), draft_model.cfg.feature_layers)
-        for ids in calibration
-    ]  # (the lookahead covers the deepest tree of the search)
-    vanilla = 1.0 / median(reference.vanilla_step_seconds for reference in references)
     sweeps = cfg.decode.tune_sweeps
-    progress = console.Progress(
-        "tune-tree", sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)"
+    best, ranked, vanilla = search(
+        target, draft_model, calibration, max_new_tokens, curve, GREEDY, cfg.eval_tree, sweeps
     )
-
-    def score(tree: TreeConfig) -> Candidate:
-        candidate = measure_tree(draft_model, references, tree, curve)
-        progress.update(progress.done + 1, f"last τ {candidate.tau:.2f}")
-        return candidate
-
-    best, ranked = coordinate_search(score, cfg.eval_tree, sweeps)
-    progress.close(f"best {best.total_tokens}/{best.depth}/{best.top_k}")
+    # the sampling tree: replayed on seeded T=1 continuations, which a seeded speculative decode reproduces
+    start = cfg.decode.sampling_tree or SAMPLING_START
+    sampling_best, sampling_ranked, _ = search(
+        target, draft_model, calibration, max_new_tokens, curve, SAMPLING, start, sweeps
+    )
     policy, policy_curve = serving_policy(cfg, target, draft_model, calibration, ranked, best, max_new_tokens)
     settings = tune_settings(cfg, draft_uri, prompts, max_new_tokens)
     result = {
@@ -204,28 +202,83 @@ def run_tune_tree(
         "candidates": [asdict(c) for c in ranked],
         "policy": policy_json(policy),  # decode.policy: the tree per batch size of a serving replica
         "policy_curve": policy_curve,
-        "overrides": [f"decode.tree.{name}={getattr(best, name)}" for name in ("total_tokens", "depth", "top_k")],
+        "sampling": {
+            "temperature": SAMPLING.temperature,
+            "best": asdict(sampling_best),
+            "expected_speedup": sampling_best.tokens_per_s / vanilla,
+            "candidates": [asdict(c) for c in sampling_ranked],
+        },  # fmt: skip
+        "overrides": [
+            f"decode.{field}.{name}={getattr(tree, name)}"
+            for field, tree in (("tree", best), ("sampling_tree", sampling_best))
+            for name in ("total_tokens", "depth", "top_k")
+        ],  # fmt: skip
     }
     out = cfg.run_dir / "tune_tree"
     write_tune_report(out, result)
-    logger.info("tune-tree: best %s, expected %.2fx vanilla (%.1f tokens/s)", best, result["expected_speedup"], vanilla)
+    _say_result(result, out)
+    return {
+        "best": asdict(best),
+        "tree": best.tree.model_dump(),
+        "sampling": result["sampling"],
+        "policy": result["policy"],
+        "expected_speedup": round(result["expected_speedup"], 3),
+        "report": str(out),
+    }
+
+
+def _say_result(result: dict[str, Any], out: Path) -> None:
+    """Log and print the tuning's answer and the overrides that apply it."""
+    best, vanilla, sampling = result["best"], result["vanilla_tokens_per_s"], result["sampling"]
+    label = f"{best['total_tokens']}/{best['depth']}/{best['top_k']}"
+    sampled = sampling["best"]
+    logger.info(
+        "tune-tree: best %s, expected %.2fx vanilla (%.1f tokens/s)", label, result["expected_speedup"], vanilla
+    )
     print(
-        f"best tree: total_tokens={best.total_tokens} depth={best.depth} top_k={best.top_k}: tau {best.tau:.2f}, "
-        f"expected {best.tokens_per_s:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
-        f"({vanilla:.1f} tokens/s)\nuse: {' '.join(result['overrides'])}\nreport: {out / 'tune_tree.md'}"
+        f"best tree: total_tokens={best['total_tokens']} depth={best['depth']} top_k={best['top_k']}: tau "
+        f"{best['tau']:.2f}, expected {best['tokens_per_s']:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
+        f"({vanilla:.1f} tokens/s)\nat T={sampling['temperature']:g}: "
+        f"{sampled['total_tokens']}/{sampled['depth']}/{sampled['top_k']}, tau {sampled['tau']:.2f}, expected "
+        f"{sampling['expected_speedup']:.2f}x vanilla\nuse: {' '.join(result['overrides'])}\n"
+        f"report: {out / 'tune_tree.md'}"
     )
     if result["expected_speedup"] < 1.0:
         print(
             "warning: no tree budget beats vanilla decoding with this draft on this machine: the draft's "
             "acceptance is too low for the cost of a draft + verify round here; train it longer or serve without it"
         )
-    return {
-        "best": asdict(best),
-        "tree": best.tree.model_dump(),
-        "policy": result["policy"],
-        "expected_speedup": round(result["expected_speedup"], 3),
-        "report": str(out),
-    }
+
+
+def search(
+    target: Any,
+    draft: Any,
+    calibration: list[torch.Tensor],
+    max_new_tokens: int,
+    curve: dict[int, float],
+    sampling: SamplingConfig,
+    start: TreeConfig,
+    sweeps: int,
+) -> tuple[Candidate, list[Candidate], float]:
+    """The coordinate search from ``start``, every tree replayed on the calibration prompts'
+    continuations at ``sampling`` (prompt i with seed i): the best, every candidate ranked, and
+    vanilla tokens/s from the decodes that made the continuations."""
+    references = [
+        decode_reference(target, ids, max_new_tokens, max(DEPTHS), draft.cfg.feature_layers, sampling=sampling, seed=i)
+        for i, ids in enumerate(calibration)
+    ]  # (the lookahead covers the deepest tree of the search)
+    vanilla = 1.0 / median(reference.vanilla_step_seconds for reference in references)
+    label = "tune-tree" if sampling.greedy else f"tune-tree T={sampling.temperature:g}"
+    progress = console.Progress(label, sweeps * (len(TOTAL_TOKENS) + len(DEPTHS) + len(TOP_KS)), "trees (at most)")
+
+    def score(tree: TreeConfig) -> Candidate:
+        candidate = measure_tree(draft, references, tree, curve)
+        progress.update(progress.done + 1, f"last τ {candidate.tau:.2f}")
+        return candidate
+
+    best, ranked = coordinate_search(score, start, sweeps)
+    progress.close(f"best {best.tree.label}")
+    return best, ranked, vanilla
 
 
 def serving_policy(
@@ -277,6 +330,17 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
         for c in result["candidates"]
     ]
     lines += [
+        "",
+        f"At T={result['sampling']['temperature']:g} (`decode.sampling_tree`; replayed on seeded continuations), "
+        "the best trees:",
+        "",
+        "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
+            f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
+            for c in result["sampling"]["candidates"][:8]
+        ),
         "",
         "Serving: decode tokens/s of the calibration prompts decoded B at a time (griffin.engine), per",
         "option; `decode.policy` is the best per batch size (at batch 1, the searched tree):",

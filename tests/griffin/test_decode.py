@@ -113,7 +113,7 @@ def test_decodes_run_without_cudnn_attention_on_cuda(monkeypatch):
     decode loops and tune-tree's replay run under ``decode_attention``, which leaves it out."""
     import griffin.engine
     import griffin.replay
-    from griffin.replay import greedy_reference, replay_greedy
+    from griffin.replay import decode_reference, replay_decode
     from griffin.target import decode_attention
 
     with decode_attention(torch.device("cuda")):  # the flags are process-wide; no GPU needed to set them
@@ -139,5 +139,5 @@ def test_decodes_run_without_cudnn_attention_on_cuda(monkeypatch):
     speculative_generate(target, draft, ids, tree, GREEDY, 4, stop_token_ids=[])
     assert entered and set(entered) == {"cpu"}  # every engine step
     steps = len(entered)
-    replay_greedy(draft, greedy_reference(target, ids, 4, lookahead=tree.depth, stop_token_ids=[]), tree)
+    replay_decode(draft, decode_reference(target, ids, 4, lookahead=tree.depth, stop_token_ids=[]), tree)
     assert len(entered) > steps + 1 and set(entered) == {"cpu"}  # the reference's vanilla decode, then the replay

@@ -1,4 +1,4 @@
-"""The draft-only replay of T=0 speculative decoding reproduces the real decode round for round."""
+"""The draft-only replay of speculative decoding (greedy, or seeded at T>0) reproduces the real decode round for round."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from griffin import decode, engine, replay
 from griffin.config import TreeConfig
 from griffin.model import GriffinDraft
-from griffin.replay import greedy_reference, replay_greedy
+from griffin.replay import decode_reference, replay_decode
 from tests.conftest import OracleDraft, make_target
 
 TREES = [
@@ -52,8 +52,8 @@ def test_replay_drafts_the_same_trees_and_accepts_the_same_tokens(kind, tree, mo
         if kind == "oracle":
             draft = OracleDraft(target, int(ids[0, 0]))  # its token history starts over
         _recording(monkeypatch, replay, replayed_trees)
-        reference = greedy_reference(target, ids, 20, lookahead=tree.depth, stop_token_ids=stop)
-        replayed = replay_greedy(draft, reference, tree)
+        reference = decode_reference(target, ids, 20, lookahead=tree.depth, stop_token_ids=stop)
+        replayed = replay_decode(draft, reference, tree)
         assert reference.continuation[: reference.length] == spec.tokens
         assert replayed_trees == real_trees
         assert replayed.accepted_per_round == spec.stats.accepted_per_round
@@ -61,3 +61,23 @@ def test_replay_drafts_the_same_trees_and_accepts_the_same_tokens(kind, tree, mo
         assert len(replayed.draft_seconds) == spec.stats.rounds
         if kind == "oracle" and tree.top_k == 1:
             assert replayed.tau > 4.0  # long runs accepted, the last round's past the limit included
+
+
+def test_replay_reproduces_a_seeded_sampling_decode():
+    """At T=1 a seeded speculative decode commits the target's seeded vanilla continuation (draws keyed
+    by position), so replaying that continuation gives its rounds exactly: every round's accepted
+    length, on a peaked target whose draft is accepted often."""
+    from griffin.config import SamplingConfig
+    from tests.griffin.law import peaked_pair
+
+    target, draft = peaked_pair()
+    tree, sampling, accepted = TreeConfig(total_tokens=8, depth=3, top_k=3), SamplingConfig(temperature=1.0), 0
+    gen = torch.Generator().manual_seed(2)
+    for seed in range(4):
+        ids = torch.randint(0, 6, (1, 3 + 2 * seed), generator=gen)
+        spec = decode.speculative_generate(target, draft, ids, tree, sampling, 20, seed, stop_token_ids=[])
+        reference = decode_reference(target, ids, 20, tree.depth, stop_token_ids=[], sampling=sampling, seed=seed)
+        assert reference.continuation[:20] == spec.tokens
+        assert replay_decode(draft, reference, tree).accepted_per_round == spec.stats.accepted_per_round
+        accepted += sum(spec.stats.accepted_per_round)
+    assert accepted >= 20

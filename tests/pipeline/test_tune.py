@@ -80,9 +80,11 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "best tree:" in printed and "decode.tree.total_tokens=" in printed
+    assert "at T=1:" in printed and "decode.sampling_tree.total_tokens=" in printed
     report = json.loads((tmp_path / cfg.run_name / "tune_tree" / "tune_tree.json").read_text())
     best = report["best"]
-    assert best in report["candidates"]
+    assert best in report["candidates"] and report["sampling"]["best"] in report["sampling"]["candidates"]
+    assert report["sampling"]["temperature"] == 1.0
     # every candidate's expected speed is its measured tau over its draft + verify time, its verify
     # time the curve's at its size; the speedup is the best's speed over vanilla
     curve = {int(n): ms for n, ms in report["verify_ms_by_tokens"].items()}
@@ -150,7 +152,7 @@ def test_tuning_decodes_compiled_targets_outside_inference_mode():
     """Compiled decode steps cannot take inference tensors (griffin.static): tune-tree's greedy reference
     and the batch-policy measurement let the engine choose its own mode. A stand-in compiled step (the
     eager forward, checking the mode it is called in) stands for the real graph."""
-    from griffin.replay import greedy_reference
+    from griffin.replay import decode_reference
     from pipeline.evaluate.batch_policy import measure_policy
     from tests.conftest import make_target
 
@@ -162,6 +164,6 @@ def test_tuning_decodes_compiled_targets_outside_inference_mode():
         return target._forward(*args)
 
     target.compiled_forward = compiled_step
-    greedy_reference(target, torch.tensor([[5, 6, 7]]), 6, 2, stop_token_ids=[])
+    decode_reference(target, torch.tensor([[5, 6, 7]]), 6, 2, stop_token_ids=[])
     measure_policy(target, None, [[5, 6, 7], [8, 9]], [], [1, 2], 4, reps=1)
     assert modes and not any(modes)
