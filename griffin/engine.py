@@ -1,10 +1,11 @@
 """The batching engine: several requests decode together, one round for all of them at a time.
 
 Each ``step()``:
-- admits at most one waiting request into a free slot and prefills it alone (a long prompt stalls
-  running rows for one prefill, never more);
+- admits every waiting request that finds a free slot (a burst joins in one round) and prefills
+  each alone (a long prompt stalls the running rows for its prefill: no chunked prefill yet);
 - picks the round's tree from the ``SpeculationPolicy`` for the load: active rows plus requests
-  waiting for a slot (``None``: plain decoding, one token per row, the draft idle);
+  waiting for a slot, a lower load only once it held ``SWITCH_DOWN_ROUNDS`` rounds (``None``: plain
+  decoding, one token per row, the draft idle; the sampling tree when every drafting row samples);
 - drafts every row's tree in one batched draft pass per level, verifies every row's tree in one
   batched target pass (trees padded to the widest; see griffin.rows for per-row lengths);
 - accepts every row at once, each with its own ``SamplingConfig`` and position-keyed draws
@@ -13,8 +14,9 @@ Each ``step()``:
 
 Lossless per request: a row's logits are those of its own prefix and tree (masked per row), so T=0
 output is the target's greedy output, and T>0 samples from the target's law with the row's own
-seed: its token at output index i is a function of u(seed, i) and the target's law there, so a
-seeded request decodes the same text alone or batched, drafting or plain. Shape legend: B active rows, N tree nodes, D_f target features, V vocab.
+seed: its token at output index i is a function of the seed, i and the target's law there
+(griffin.verify), so a seeded request decodes the same text alone or batched, drafting or plain.
+Shape legend: B active rows, N tree nodes, D_f target features, V vocab.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Sampling is keyed by position. A request's token at output index i is drawn from the target's
 warped law p at that position by an exponential race: the token x with the largest p(x) / E(x),
 where the E(x) are independent Exp(1) draws keyed by (seed, i, x) (``position_keys``,
-``exponentials``); that x has law p exactly. At T=0 it is the argmax. The draft's trees are deterministic (top-k), so EAGLE-2's recursive
-rejection ("accept child c with probability p(c), else remove it and renormalise", children in
+``exponentials``); that x has law p exactly. At T=0 it is the argmax. The draft's trees are
+deterministic (top-k), so EAGLE-2's recursive rejection ("accept child c with probability p(c), else remove it and renormalise", children in
 rank order) has the law of "draw x from p; follow the child whose token is x, else emit x". The
 walk does the latter. So a seeded request's tokens are a fixed function of its seed and the
 target's distributions: the same alone or batched, speculative or plain, with any tree, with the
@@ -46,38 +46,38 @@ class Walked:
         return len(self.nodes) - 1
 
 
-def _mix64(z: int) -> int:
-    """SplitMix64's output function (Steele et al., 2014): a bijection of 64-bit integers."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def position_keys(seed: int, start: int, count: int) -> list[int]:
-    """The keys of output positions [start, start + count) of a request with ``seed``: the
-    SplitMix64 stream of the seed's key read at each position (counter-based, so any position's key
-    is known without the ones before), as signed 64-bit integers (torch.long)."""
-    key = _mix64((seed + GOLDEN64) & MASK64)
-    return [_signed(_mix64((key + (i + 1) * GOLDEN64) & MASK64)) for i in range(start, start + count)]
-
-
 def _shift_right(x: Tensor, bits: int) -> Tensor:
     """A logical right shift of int64 values (torch's ``>>`` is arithmetic: it copies the sign bit)."""
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def _signed(value: int) -> int:
+    """A 64-bit pattern as torch.long holds it."""
+    value &= MASK64
     return value - (1 << 64) if value >> 63 else value
 
 
-def exponentials(keys: Tensor, vocab: int) -> Tensor:
-    """keys (B,) long -> Exp(1) draws (B, V) float64, one per (key, token): -log u with u from 53 bits
-    of SplitMix64 at (key + (token + 1) * golden), in torch's wrapping int64 arithmetic, so the draws
-    are the same on every device."""
-    z = keys[:, None] + torch.arange(1, vocab + 1, device=keys.device) * _signed(GOLDEN64)  # (B, V)
+def _splitmix(z: Tensor) -> Tensor:
+    """SplitMix64 (Steele et al., 2014) at states ``z`` (long): the state advanced by the golden gamma,
+    then the output mix, in torch's wrapping int64 arithmetic (the same on every device)."""
+    z = z + _signed(GOLDEN64)
     z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
     z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
-    z = z ^ _shift_right(z, 31)
+    return z ^ _shift_right(z, 31)
+
+
+def position_keys(seed: int, start: int, count: int) -> list[int]:
+    """The keys of output positions [start, start + count) of a request with ``seed``: the SplitMix64
+    stream of the seed's key read at each position (counter-based: a position's key needs none of
+    the ones before)."""
+    key = _splitmix(torch.tensor(_signed(seed)))
+    return _splitmix(key + torch.arange(start, start + count) * _signed(GOLDEN64)).tolist()
+
+
+def exponentials(keys: Tensor, vocab: int) -> Tensor:
+    """keys (B,) long -> Exp(1) draws (B, V) float64, one per (key, token): -log u, u from 53 bits of
+    the key's SplitMix64 stream read at the token."""
+    z = _splitmix(keys[:, None] + torch.arange(vocab, device=keys.device) * _signed(GOLDEN64))  # (B, V)
     return -torch.log((_shift_right(z, 11).double() + 0.5) * 2.0**-53)  # u in (0, 1): E in (0, 37.5)
 
 

@@ -11,7 +11,8 @@ MT-Bench first turns, non-streaming with ``return_token_ids``. Interleaved over 
 Every output must equal its one-at-a-time output token for token, drafting or not: at T>0 too, since
 a seeded request's tokens do not depend on its neighbours or on drafting (docs/method.md §5).
 
-    python benchmarks/serve/batching_bench.py [--dtype float32] [--temperature 1] [--policy TUNE_TREE_JSON] [--reps 2]
+    python benchmarks/serve/batching_bench.py [--dtype float32] [--temperature 1] [--sampling-tree 4/1/3]
+        [--policy TUNE_TREE_JSON] [--reps 2]
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--sampling-tree", help="decode.sampling_tree as total_tokens/depth/top_k (default: none)")
     args = parser.parse_args()
     global TEMPERATURE
     TEMPERATURE = args.temperature
@@ -84,6 +86,9 @@ def main() -> None:
         "serve.port=8011",
         "output_dir=/tmp/batching_bench",
     ]
+    if args.sampling_tree:
+        total, depth, top_k = args.sampling_tree.split("/")
+        overrides += [f"decode.sampling_tree={{total_tokens: {total}, depth: {depth}, top_k: {top_k}}}"]
     cfg = load_config("jobs/configs/smollm2-quick.yaml", overrides)
     policy = json.loads(Path(args.policy).read_text())["policy"] if args.policy else None
     if policy:
@@ -123,6 +128,7 @@ def main() -> None:
         "dtype": args.dtype,
         "temperature": args.temperature,
         "policy": cfg.speculation_policy.describe(),
+        "sampling_tree": args.sampling_tree,
         "new_tokens": args.new,
         "reps": args.reps,
         "tokens_per_s": rate,
@@ -135,6 +141,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     suffix = ("" if args.dtype == "bfloat16" else "-fp32") + (f"-t{args.temperature:g}" if args.temperature else "")
+    suffix += f"-sampling-{args.sampling_tree.replace('/', '-')}" if args.sampling_tree else ""
     (OUT / f"batching{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
