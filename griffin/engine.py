@@ -144,7 +144,10 @@ class BatchEngine:
         self.cache = target.new_row_cache(max_rows, capacity)
         self.draft_cache = None
         if draft is not None:
-            self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, 2 * capacity, draft.param_dtype, target.device)
+            # a catch-up writes the longest pending run (padded to a power of two when compiled) after
+            # every row's length: at most a capacity after a capacity
+            room = capacity + (length_bucket(capacity) if self.compiled else capacity)
+            self.draft_cache = RowCache.for_draft(draft.cfg, max_rows, room, draft.param_dtype, target.device)
         if self.compiled:  # CUDA graphs write these buffers in place; sized for the whole context, they never move
             mark_static(self.cache.buffers() + (self.draft_cache.buffers() if self.draft_cache is not None else []))
         self.rounds, self.last_batch = 0, 0
@@ -198,17 +201,19 @@ class BatchEngine:
     def warm_up(self, batches: list[int]) -> None:
         """Compile and capture the decode steps before anything is timed or served (a no-op unless
         decoding is compiled; call it from the thread that will decode: CUDA graphs are per thread).
-        Each batch size decodes through two width buckets (griffin.static), in drafting rounds and
-        in plain ones. Synthetic prompts; the outputs are dropped."""
+        Each batch size decodes through two width buckets (griffin.static), in drafting rounds (with
+        the sampling tree too, when the policy has one) and in plain ones. Synthetic prompts; the
+        outputs are dropped."""
         if not self.compiled:
             return
-        greedy = SamplingConfig()
+        modes = [(SamplingConfig(), True), (SamplingConfig(), False)]
+        modes += [(SamplingConfig(temperature=1.0), True)] if self.policy.sampling_tree is not None else []
         for batch in batches:
-            for speculative in (True, False):
+            for sampling, speculative in modes:
                 for b in range(batch):
                     prompt = list(range(1, 17 + b))
                     self.submit(
-                        DecodeRequest(prompt, greedy, 2 * MIN_BUCKET, stop_token_ids=[], speculative=speculative)
+                        DecodeRequest(prompt, sampling, 2 * MIN_BUCKET, 0, stop_token_ids=[], speculative=speculative)
                     )
                 self.run_until_idle()
 
@@ -228,6 +233,8 @@ class BatchEngine:
                     for row in self.rows:
                         row.error = error
             self._retire()
+            if not self.rows:  # idle: the next request starts the policy afresh (no warm-up's or burst's load)
+                self.policy_load = self.lower_rounds = 0
 
     def _drop_cancelled_waiting(self) -> None:
         with self.lock:
@@ -264,7 +271,7 @@ class BatchEngine:
 
     def _ensure_capacity(self, need: int) -> None:
         """Room for a request of ``need`` positions (prompt + new tokens) plus a tree; growing doubles.
-        The draft's rows also hold a catch-up padded to the longest pending run (at most a capacity)."""
+        The draft's rows also hold a catch-up of the longest pending run (at most a capacity)."""
         need += self.tree_slack + 1
         if need > self.cache.capacity:
             self.cache.ensure_capacity(max(need, 2 * self.cache.capacity))

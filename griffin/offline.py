@@ -82,24 +82,27 @@ def verify_cost(
     prompt: list[int],
     sizes: tuple[int, ...],
     repeats: int,
+    depth: int,
 ) -> dict[int, list[float]]:
     """Seconds of a round's verify phase for trees of N nodes, ``repeats`` times each after one
     untimed repetition, sizes in rotating order: one row after ``prompt``, in the engine that decodes
     for ``draft`` with ``policy`` (compiled when the target is; its trees' slack must hold max(sizes)
-    nodes), verifying a chain of N random tokens at T=0 (the batched target pass, the walk, the KV
-    commit). A chain: the pass costs by N, not by shape."""
+    nodes), verifying N random tokens at T=0 (the batched target pass, the walk, the KV commit) in a
+    tree at most ``depth`` deep (griffin.tree.chain_tree): the pass costs by N, the walk by depth."""
     assert policy.tree_slack >= max(sizes), f"a policy for trees of up to {policy.tree_slack} nodes, not {max(sizes)}"
     generator = torch.Generator().manual_seed(0)
     seconds: dict[int, list[float]] = {n: [] for n in sizes}
-    calls = (repeats + 1) * len(sizes)  # each keeps at least its root's entry
+    # each call keeps its root and what it accepts (random tokens: rarely anything), within the context
+    room = min((repeats + 1) * len(sizes) * (depth + 1) + 2, target.max_context - len(prompt))
     with engine_for(target, draft, policy, 1) as engine:
-        row = engine.submit(DecodeRequest(prompt, SamplingConfig(), calls + 2, stop_token_ids=[], speculative=False))
+        row = engine.submit(DecodeRequest(prompt, SamplingConfig(), room, stop_token_ids=[], speculative=False))
         engine.step()  # the prefill, and one plain round
         try:
             for rep in range(repeats + 1):
                 for n in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
                     root = torch.tensor([row.root], device=target.device)
-                    tree = chain_tree(root, torch.randint(0, target.vocab_size, (n - 1,), generator=generator))
+                    tokens = torch.randint(0, target.vocab_size, (n - 1,), generator=generator)
+                    tree = chain_tree(root, tokens, depth)
                     start = device_time(target.device)
                     engine.verify_only([tree])
                     if rep:

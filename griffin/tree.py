@@ -69,10 +69,14 @@ def root_tree(root: Tensor) -> DraftTree:
     return _assemble(root, torch.empty(0, device=root.device), empty, empty, empty, 0)
 
 
-def chain_tree(root: Tensor, tokens: Tensor) -> DraftTree:
-    """The tree of ``tokens`` (L,) in a chain under ``root`` (1,): a verify pass over L + 1 nodes."""
-    depths = torch.arange(1, tokens.numel() + 1, device=root.device)
-    return _assemble(root, -depths.float(), tokens.to(root.device), depths - 2, depths, tokens.numel())
+def chain_tree(root: Tensor, tokens: Tensor, depth: int) -> DraftTree:
+    """The tree of ``tokens`` (L,) under ``root`` (1,), at most ``depth`` deep: a chain of the first
+    ``depth``, the rest children of the chain's last node. A verify pass over L + 1 nodes, and a walk
+    no deeper than the trees being timed."""
+    L, device = tokens.numel(), root.device
+    depths = torch.arange(1, L + 1, device=device).clamp(max=depth)  # (L,)
+    parents = torch.arange(-1, L - 1, device=device).clamp(max=depth - 2)  # pool index: the chain's end
+    return _assemble(root, -torch.arange(L, device=device).float(), tokens.to(device), parents, depths, L)
 
 
 def _assemble(root: Tensor, scores: Tensor, tokens: Tensor, parents: Tensor, depths: Tensor, n_keep: int) -> DraftTree:

@@ -75,10 +75,11 @@ def position_keys(seed: int, start: int, count: int) -> list[int]:
 
 
 def exponentials(keys: Tensor, vocab: int) -> Tensor:
-    """keys (B,) long -> Exp(1) draws (B, V) float64, one per (key, token): -log u, u from 53 bits of
+    """keys (B,) long -> Exp(1) draws (B, V) float64, one per (key, token): -log u, u from 52 bits of
     the key's SplitMix64 stream read at the token."""
     z = _splitmix(keys[:, None] + torch.arange(vocab, device=keys.device) * _signed(GOLDEN64))  # (B, V)
-    return -torch.log((_shift_right(z, 11).double() + 0.5) * 2.0**-53)  # u in (0, 1): E in (0, 37.5)
+    # 52 bits + 0.5, exact in float64: u in (0, 1), never 1 (E = -0.0 would make 0 / E a NaN that wins)
+    return -torch.log((_shift_right(z, 12).double() + 0.5) * 2.0**-52)  # E in (0, 36.7)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class RowSampling:
     top_k: Tensor  # (B, 1) long; 0: off
     top_p: Tensor  # (B, 1) float32; inf: off (the mass before a token never reaches it)
     all_greedy: bool
-    any_top_k: bool
+    max_top_k: int  # 0: no row truncates to its top k
     any_top_p: bool
 
     @classmethod
@@ -105,7 +106,7 @@ class RowSampling:
             top_k=column(top_ks, torch.long),
             top_p=column(top_ps, torch.float32),
             all_greedy=all(s.greedy for s in samplings),
-            any_top_k=any(top_ks),
+            max_top_k=max(top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
         )
 
@@ -114,8 +115,8 @@ def warp_rows(logits: Tensor, rows: RowSampling) -> Tensor:
     """logits (B, V) -> probabilities (B, V): each row's temperature, then top-k, then top-p
     (transformers' order), with that row's settings."""
     logits = logits.float() / rows.temperature
-    if rows.any_top_k:
-        top = logits.topk(int(rows.top_k.max()), dim=-1).values  # (B, K)
+    if rows.max_top_k:
+        top = logits.topk(rows.max_top_k, dim=-1).values  # (B, K) (a Python int: no device sync)
         kth = top.gather(-1, (rows.top_k - 1).clamp(min=0))  # (B, 1)
         kth = torch.where(rows.top_k > 0, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))

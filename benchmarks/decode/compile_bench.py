@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct with the shipped GRIFFIN draft, loaded as decoding loads them (eager: pre-packed
 linears; compiled: plain ones, which inductor's freezing packs); MT-Bench first turns. Per prompt, interleaved: vanilla eager, vanilla compiled, GRIFFIN
 eager, GRIFFIN compiled (same seed each), after an untimed warm-up that captures the compiled
-steps (griffin.engine.warm_up). Every compiled output is checked against its eager twin token for
+steps (griffin.offline.warm_up). Every compiled output is checked against its eager twin token for
 token. Medians of tokens/s and the per-prompt ratios. Writes compile-<dtype>.{json,md}.
 
     python benchmarks/decode/compile_bench.py [--dtype float32] [--prompts 8] [--new 96] [--temperature 0]

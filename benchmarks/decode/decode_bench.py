@@ -83,7 +83,7 @@ def bench_verify(targets, ids, reps):
     verify phase (``griffin.offline.verify_cost``: chains of N tokens after the prompt, sizes
     interleaved)."""
     policy = SpeculationPolicy({1: TreeConfig(total_tokens=60, depth=6, top_k=10)})
-    seconds = {name: verify_cost(t, None, policy, ids[0].tolist(), (1, 16, 60), reps) for name, t in targets.items()}
+    seconds = {name: verify_cost(t, None, policy, ids[0].tolist(), (1, 16, 60), reps, 6) for name, t in targets.items()}
     rows = []
     for rep in range(reps):
         row = {}

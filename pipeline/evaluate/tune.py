@@ -5,7 +5,8 @@ halves of the trade-off, in one process:
 
 - the target's verify cost curve: a round's verify phase in the engine that serves (compiled when
   compiled: one batched verify pass of N tree tokens after a fixed prefix, the T=0 walk and the KV
-  commit; griffin.offline.verify_cost) for every N of the grid, interleaved over repetitions
+  commit, the walk no deeper than the deepest tree searched; griffin.offline.verify_cost) for every
+  N of the grid, interleaved over repetitions
   (medians): the hardware fact that makes wide trees expensive on a CPU (compute-bound) and nearly
   free on a GPU (bandwidth-bound);
 - per candidate tree (total_tokens, depth, top_k): tau at T=0 and the median drafting seconds of a
@@ -20,6 +21,10 @@ by what differs between them: tau and drafting. A coordinate search starts at th
 ``decode.tree``) and sweeps total_tokens, depth and top_k ``decode.tune_sweeps`` times (default
 twice). The calibration prompts are the *last* questions of ``eval.datasets``; the evaluation takes
 the first ones, so it never scores the tree on the prompts that picked it.
+
+A second search, from a shallow 4/1/3, picks ``decode.sampling_tree`` at T=1: the same replay on each
+prompt's seeded T=1 continuation, which a seeded speculative decode commits exactly (draws keyed by
+position, griffin.verify), so τ at T=1 is measured, not estimated.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ def verify_cost_curve(target: Any, draft: Any, sizes: tuple[int, ...], repeats: 
     """Median ms of a round's verify phase for N tree tokens, after a fixed random prefix, in the
     engine that decodes for ``draft``, sized for every tree of the search."""
     prefix = torch.randint(0, target.vocab_size, (CURVE_PREFIX,), generator=torch.Generator().manual_seed(0))
-    seconds = verify_cost(target, draft, SEARCH_POLICY, prefix.tolist(), sizes, repeats)
+    seconds = verify_cost(target, draft, SEARCH_POLICY, prefix.tolist(), sizes, repeats, max(DEPTHS))
     return {n: 1e3 * median(values) for n, values in seconds.items()}
 
 
@@ -185,7 +190,7 @@ def run_tune_tree(
     )
     # the sampling tree: replayed on seeded T=1 continuations, which a seeded speculative decode reproduces
     start = cfg.decode.sampling_tree or SAMPLING_START
-    sampling_best, sampling_ranked, _ = search(
+    sampling_best, sampling_ranked, sampling_vanilla = search(
         target, draft_model, calibration, max_new_tokens, curve, SAMPLING, start, sweeps
     )
     policy, policy_curve = serving_policy(cfg, target, draft_model, calibration, ranked, best, max_new_tokens)
@@ -205,7 +210,8 @@ def run_tune_tree(
         "sampling": {
             "temperature": SAMPLING.temperature,
             "best": asdict(sampling_best),
-            "expected_speedup": sampling_best.tokens_per_s / vanilla,
+            "vanilla_tokens_per_s": sampling_vanilla,
+            "expected_speedup": sampling_best.tokens_per_s / sampling_vanilla,
             "candidates": [asdict(c) for c in sampling_ranked],
         },  # fmt: skip
         "overrides": [
@@ -301,6 +307,19 @@ def serving_policy(
     return policy, curve
 
 
+def candidate_table(candidates: list[dict[str, Any]], vanilla: float) -> list[str]:
+    """Markdown rows of the searched trees, as ranked."""
+    return [
+        "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
+            f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / vanilla:.2f}x |"
+            for c in candidates
+        ),
+    ]
+
+
 def write_tune_report(out: Path, result: dict[str, Any]) -> None:
     from matplotlib.figure import Figure
 
@@ -319,28 +338,14 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
         "| ---: | ---: | ---: |",
     ]
     lines += [f"| {n} | {ms:.1f} | {ms / step:.2f}x |" for n, ms in curve.items()]
+    sampling = result["sampling"]
+    lines += ["", *candidate_table(result["candidates"], result["vanilla_tokens_per_s"])]
     lines += [
         "",
-        "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    lines += [
-        f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
-        f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
-        for c in result["candidates"]
-    ]
-    lines += [
+        f"At T={sampling['temperature']:g} (`decode.sampling_tree`; replayed on seeded continuations; vanilla "
+        f"{sampling['vanilla_tokens_per_s']:.1f} tokens/s), the best trees:",
         "",
-        f"At T={result['sampling']['temperature']:g} (`decode.sampling_tree`; replayed on seeded continuations), "
-        "the best trees:",
-        "",
-        "| total_tokens | depth | top_k | tau | draft ms/round | verify ms/round | expected tokens/s | vs vanilla |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *(
-            f"| {c['total_tokens']} | {c['depth']} | {c['top_k']} | {c['tau']:.2f} | {c['draft_ms']:.1f} | "
-            f"{c['verify_ms']:.1f} | {c['tokens_per_s']:.1f} | {c['tokens_per_s'] / result['vanilla_tokens_per_s']:.2f}x |"
-            for c in result["sampling"]["candidates"][:8]
-        ),
+        *candidate_table(sampling["candidates"][:8], sampling["vanilla_tokens_per_s"]),
         "",
         "Serving: decode tokens/s of the calibration prompts decoded B at a time (griffin.engine), per",
         "option; `decode.policy` is the best per batch size (at batch 1, the searched tree):",

@@ -200,21 +200,22 @@ def test_the_policy_follows_a_higher_load_at_once_and_a_lower_one_after_it_held(
 
 
 def test_rounds_whose_drafting_rows_all_sample_draft_the_sampling_tree():
-    """policy {1: SMALL} with a sampling tree of 4: a T=1 request alone drafts 3 nodes a round, a T=0
-    one 11, and the two together SMALL (a greedy row drafts)."""
+    """policy {1: a 4-token tree} with SMALL (12 tokens) as the sampling tree: a T=1 request alone
+    drafts 11 nodes a round, a T=0 one 3, and the two together 3 (a greedy row drafts); the KV slack
+    covers the sampling tree."""
     target = make_target("llama")
     draft = GriffinDraft.for_target(target, variant="griffin")
-    policy = SpeculationPolicy({1: SMALL}, sampling_tree=TreeConfig(total_tokens=4, depth=1, top_k=3))
+    policy = SpeculationPolicy({1: TreeConfig(total_tokens=4, depth=1, top_k=3)}, sampling_tree=SMALL)
     sampled, prompts = SamplingConfig(temperature=1.0), _prompts(2, seed=9)
     alone = [
         generate_batch(target, draft, [DecodeRequest(prompts[0], s, 12, 1, [])], policy)[0] for s in (sampled, GREEDY)
     ]
-    assert set(alone[0].stats.drafted_per_round) == {3} and set(alone[1].stats.drafted_per_round) == {11}
+    assert set(alone[0].stats.drafted_per_round) == {11} and set(alone[1].stats.drafted_per_round) == {3}
     both = generate_batch(
         target, draft, [DecodeRequest(p, s, 12, 1, []) for p, s in zip(prompts, (sampled, GREEDY))], policy
     )
-    assert set(both[0].stats.drafted_per_round[:5]) == {11} and both[0].tokens == alone[0].tokens
-    assert policy.tree_slack >= SMALL.total_tokens and policy.tree_for(1, sampling=True).total_tokens == 4
+    assert set(both[0].stats.drafted_per_round[:5]) == {3} and both[0].tokens == alone[0].tokens
+    assert policy.tree_slack == SMALL.total_tokens + (SMALL.depth - 1) * SMALL.top_k
 
 
 def test_a_request_without_speculation_decodes_plainly_beside_speculative_rows():
