@@ -102,6 +102,24 @@ def test_compiled_batch_equals_eager(models, monkeypatch):
 
 
 @pytest.mark.parametrize("models", ["llama"], indirect=True)
+def test_the_compiled_draft_cache_holds_a_padded_catch_up_after_any_row(models):
+    """A compiled catch-up pads every row's pending run to the longest one's power of two and writes
+    it after each row's length: with a context that is not a power of two (300), a row near the end
+    of the context beside a new row's whole prompt still fits the draft cache."""
+    from griffin.engine import BatchEngine
+    from griffin.static import length_bucket
+
+    _, twin, draft = models
+    twin.context_cap = 300
+    try:
+        engine = BatchEngine(twin, draft, SpeculationPolicy({1: TREE}), max_rows=2)
+        capacity = engine.cache.capacity
+        assert engine.draft_cache.capacity >= capacity + length_bucket(capacity) > 2 * capacity
+    finally:
+        twin.context_cap = None
+
+
+@pytest.mark.parametrize("models", ["llama"], indirect=True)
 def test_warm_up_captures_before_the_timed_decode(models):
     """After warm_up, graphs have been compiled for these models (since the fixture's dynamo reset: by
     warm_up or this module's earlier decodes), and a lone decode, speculative and vanilla, reuses the
