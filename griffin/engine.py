@@ -157,6 +157,8 @@ class BatchEngine:
     # ---- requests ----
     def submit(self, request: DecodeRequest) -> Row:
         _check_request(self.target, torch.tensor([request.prompt]), request.max_new_tokens)
+        if request.seed is not None and not isinstance(request.seed, int):
+            raise TypeError(f"a request's seed is an int (sampling is keyed by position), not {type(request.seed)}")
         stop = set(self.target.stop_token_ids if request.stop_token_ids is None else request.stop_token_ids)
         # an unseeded request's seed comes from torch's global generator: random per process, and
         # reproducible where a caller seeds it (torch.manual_seed)

@@ -74,7 +74,6 @@ def test_logprobs_are_raw_model_logprobs_and_off_by_default():
     target = make_target("llama", seed=1)
     ids = torch.tensor([[5, 9, 17]])  # (1, T)
     sampling = SamplingConfig(temperature=0.7, top_k=5)
-    gen = torch.Generator().manual_seed(0)
     result = speculative_generate(
         target,
         GriffinDraft.for_target(target),
@@ -82,7 +81,7 @@ def test_logprobs_are_raw_model_logprobs_and_off_by_default():
         SMALL,
         sampling,
         12,
-        gen,
+        0,
         stop_token_ids=[],
         logprobs=LogprobRecorder(),
     )
