@@ -95,7 +95,7 @@ def driver_reads() -> dict:
 
 
 def eval_reads(out: str) -> dict:
-    """The bytes of part files the held-out dataset reads per stage start (``stored_datasets``), against
+    """The bytes of part files the held-out dataset reads per stage start (``stored_eval``), against
     the held-out rows' share of the store, on a tiny-target store featurized here (``data.limit=96``)."""
     import os
 

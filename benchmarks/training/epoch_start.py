@@ -1,12 +1,14 @@
-"""How long a training split takes to deliver each epoch of a small store, read three ways: through
-``ray.data.read_parquet`` (before), through ``parts_dataset`` (a read task per part, now), and
-materialized once (``train.materialize``). Checks that every way hands each rank the same rows.
+"""How long a training stream takes to start each epoch on a small store: one Ray Data execution per
+epoch (how training read before), against one execution that spans the epochs (``pipeline.train.stream``),
+each from the part files and from parts held in the object store (``train.materialize``).
 
 A local Ray (the config's CPUs), the tiny target's store of ``data.limit`` ShareGPT conversations
-(featurized under ``--out`` if it is not there yet), the train split cut as training cuts it
-(``pipeline.train.feed``), two ranks reading side by side as Ray Train's ``streaming_split(2,
-equal=True)`` hands them out, three epochs; two rounds, the ways alternating. Writes
-benchmarks/training/epoch_start.{json,md}.
+(featurized under ``--out`` if it is not there yet), the training parts as training cuts them, two
+ranks reading side by side as Ray Train splits the stream (``pipeline.train.feed.data_config``), three
+epochs; two rounds, the ways alternating. An epoch's start is the wait at rank 0 between the previous
+epoch's last block and the new epoch's first. Checks that files and held parts deal each rank the same rows (one execution per epoch deals
+another round robin: each starts again at rank 0).
+Writes benchmarks/training/epoch_start.{json,md}.
 
     python benchmarks/training/epoch_start.py [--out /tmp/epoch-start] [--limit 96]
 """
@@ -21,58 +23,79 @@ from pathlib import Path
 from statistics import median
 
 ROOT = Path(__file__).resolve().parents[2]
+EPOCHS = 3
 
 
-def read_parquet_datasets(files: list[str], eval_ids: set[str]) -> dict:
-    """The train and held-out datasets as they were built before ``parts_dataset``."""
+def read(parts, start: dict) -> tuple[list[tuple[float, int]], list[list[str]]]:
+    """One execution of the stream from ``start`` read by two ranks: rank 0's (arrival time, epoch) per
+    block, and the "<epoch>:<sample id>"s each rank read."""
     import ray
 
-    from pipeline.train.feed import _filtered, feature_columns
+    from pipeline.train.feed import data_config
+    from pipeline.train.stream import StreamStart, train_stream
 
-    base = ray.data.read_parquet(files, columns=feature_columns("bf16", False), override_num_blocks=len(files))
-    return {
-        "train": _filtered(base, sorted(eval_ids), keep=False),
-        "eval": _filtered(base, sorted(eval_ids), keep=True),
-    }
+    actor = ray.remote(num_cpus=0)(StreamStart).remote()
+    ray.get(actor.set.remote(start))
+    splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
+    arrivals: list[tuple[float, int]] = []
+    seen: list[list[str]] = [[], []]
 
-
-def epochs(dataset, count: int = 3) -> tuple[list[float], list[list[list[str]]]]:
-    """Seconds per epoch (rank 0) and the sample ids each of two ranks read in each epoch."""
-    dataset.context.execution_options.preserve_order = True
-    splits, seen, seconds = dataset.streaming_split(2, equal=True), [[], []], []
-
-    def read(rank: int) -> None:
-        for _ in range(count):
-            start = time.perf_counter()
-            tables = splits[rank].iter_batches(batch_size=None, batch_format="pyarrow")
-            seen[rank].append([sid for table in tables for sid in table.column("sample_id").to_pylist()])
+    def consume(rank: int) -> None:
+        for table in splits[rank]["train"].iter_batches(batch_size=None, batch_format="pyarrow"):
+            epochs = table["epoch"].to_pylist()
             if rank == 0:
-                seconds.append(round(time.perf_counter() - start, 2))
+                arrivals.append((time.perf_counter(), epochs[0]))
+            seen[rank] += [f"{e}:{s}" for e, s in zip(epochs, table["sample_id"].to_pylist())]
 
-    threads = [threading.Thread(target=read, args=(rank,)) for rank in (0, 1)]
+    threads = [threading.Thread(target=consume, args=(rank,)) for rank in (0, 1)]
     [thread.start() for thread in threads]
     [thread.join() for thread in threads]
-    return seconds, seen
+    ray.kill(actor)
+    return arrivals, seen
+
+
+def epoch_starts(parts, spanning: bool) -> tuple[list[float], list[list[str]]]:
+    """Seconds rank 0 waited for each epoch's first block after the previous epoch's last, and the rows
+    each rank read, with one execution for all epochs or one per epoch."""
+    from pipeline.train.stream import first_start
+
+    began = time.perf_counter()
+    if spanning:
+        arrivals, seen = read(parts, first_start(0, EPOCHS))
+    else:
+        arrivals, seen = [], [[], []]
+        for epoch in range(EPOCHS):
+            more, rows = read(parts, first_start(epoch, 1))
+            arrivals, seen = arrivals + more, [seen[0] + rows[0], seen[1] + rows[1]]
+    waits, last = [], began
+    for moment, epoch in arrivals:
+        if epoch == len(waits):
+            waits.append(round(moment - last, 3))
+        last = moment
+    return waits, seen
 
 
 def measure(part_ids: dict[str, list[str]], eval_ids: set[str]) -> dict:
-    from pipeline.train.feed import materialize, stored_datasets
+    from pipeline.train.feed import materialized_parts, stored_parts
 
-    runs: dict[str, list[dict]] = {"read_parquet": [], "parts_dataset": [], "materialized": []}
-    reference = None
+    files = stored_parts(part_ids, "bf16", False, eval_ids)
+    start = time.perf_counter()
+    held = materialized_parts(files)
+    held_s = round(time.perf_counter() - start, 2)
+    ways = {
+        "execution per epoch, files": (files, False),
+        "execution per epoch, held": (held, False),
+        "one execution, files": (files, True),
+        "one execution, held": (held, True),
+    }
+    runs: dict[str, list[dict]] = {way: [] for way in ways}
+    reference: dict[bool, list] = {}  # the rows per rank of the first run with one or many executions
     for _ in range(2):
-        for way in runs:
-            start = time.perf_counter()
-            if way == "read_parquet":
-                datasets = read_parquet_datasets(list(part_ids), eval_ids)
-            else:
-                datasets = stored_datasets(part_ids, "bf16", False, eval_ids)
-                datasets = materialize(datasets) if way == "materialized" else datasets
-            built = round(time.perf_counter() - start, 2)
-            seconds, seen = epochs(datasets["train"])
-            reference = reference or seen
-            runs[way].append({"built_s": built, "epoch_s": seconds, "same_rows": seen == reference})
-    return runs
+        for way, (parts, spanning) in ways.items():
+            waits, seen = epoch_starts(parts, spanning)
+            reference.setdefault(spanning, seen)
+            runs[way].append({"epoch_start_s": waits, "same_rows": seen == reference[spanning]})
+    return {"materialize_s": held_s, "runs": runs}
 
 
 def main() -> None:
@@ -93,21 +116,22 @@ def main() -> None:
     part_ids = store_part_ids(cfg.store_path)
     files = list(part_ids)
     eval_ids = held_out_ids([i for ids in part_ids.values() for i in ids], cfg.train.eval_fraction)
-    runs = measure(part_ids, eval_ids)
+    result = measure(part_ids, eval_ids)
     out = Path(__file__).parent
-    (out / "epoch_start.json").write_text(json.dumps({"parts": len(files), "runs": runs}, indent=2))
+    (out / "epoch_start.json").write_text(json.dumps({"parts": len(files), **result}, indent=2))
     lines = [
-        f"Tiny target, {len(files)} parts, the train split to two ranks, three epochs, two rounds "
-        "(medians; seconds until an epoch's last row reached rank 0).",
+        f"Tiny target, {len(files)} parts, the training parts to two ranks, {EPOCHS} epochs, two rounds "
+        "(medians; seconds rank 0 waited for an epoch's first block after the previous epoch's last). "
+        f"Holding the parts in the object store took {result['materialize_s']} s.",
         "",
-        "| read through | datasets built, s | epoch 1, s | epochs 2-3, s | same rows per rank |",
-        "|---|---|---|---|---|",
+        "| read through | epoch 1 start, s | epochs 2-3 start, s | same rows per rank |",
+        "|---|---|---|---|",
     ]
-    for way, rows in runs.items():
-        later = [s for row in rows for s in row["epoch_s"][1:]]
+    for way, rows in result["runs"].items():
+        later = [s for row in rows for s in row["epoch_start_s"][1:]]
         lines.append(
-            f"| {way} | {median(r['built_s'] for r in rows):.2f} | {median(r['epoch_s'][0] for r in rows):.2f} "
-            f"| {median(later):.2f} | {all(r['same_rows'] for r in rows)} |"
+            f"| {way} | {median(r['epoch_start_s'][0] for r in rows):.2f} | {median(later):.2f} "
+            f"| {all(r['same_rows'] for r in rows)} |"
         )
     (out / "epoch_start.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -166,11 +166,6 @@ class TrainSection(Section):
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources per worker")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     batch_tokens: int = Field(default=4096, ge=16, description="tokens per worker micro-batch (padded)")
-    shuffle_bytes: int = Field(
-        default=1 << 30,
-        ge=1,
-        description="the most feature bytes a rank holds to shuffle its rows in (at most 256 rows a window)",
-    )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="bf16 autocast with fp32 master weights, or fp32; auto: bf16 where native"
     )

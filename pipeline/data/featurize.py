@@ -29,7 +29,7 @@ from pipeline.runtime import ensure_ray
 from pipeline.data.heldout import held_out_ids
 from pipeline.data.integrity import repair_command, repair_store, verify_store
 from pipeline.data.layout import next_index
-from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
+from pipeline.data.parts import PartActor, PartProgress, carry, injected_faults, run_part_actors
 from pipeline.data.sources import Ledger, Sample, load_conversations
 from pipeline.resources.identity import TargetIdentity, target_fingerprint, target_identity
 from pipeline.resources.targets import feature_layers, load_target
@@ -188,7 +188,7 @@ class PartFeatures(PartActor):
 
     def __call__(self, batch: dict[str, np.ndarray]):
         assert len(batch["lengths"]) == 1, "one part per call (batch_size=1): a part is one block"
-        return featurize_part(self.featurizer, unpack_part(batch, 0), self.dtype)[0]
+        return carry(featurize_part(self.featurizer, unpack_part(batch, 0), self.dtype)[0], batch)
 
 
 def unpack_part(batch: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:

@@ -151,20 +151,24 @@ def run_part_actors(
         ) from error
 
 
-def part_actor_dataset(cfg: RunConfig, actor: type, parts: list[dict], constructor_kwargs: dict[str, Any]):
-    """``parts`` through a pool of ``features.num_actors`` ``actor``s with featurize's resources, one
-    block and one actor call per part (so finished parts stream back one by one, and a part is a block
-    of its own wherever the result goes)."""
+def part_actor_dataset(cfg: RunConfig, actor: type, parts: list[dict] | Any, constructor_kwargs: dict[str, Any]):
+    """``parts`` (packed parts, or a dataset of them) through a pool of ``features.num_actors``
+    ``actor``s with featurize's resources, one block and one actor call per part (so finished parts
+    stream back one by one, and a part is a block of its own wherever the result goes)."""
     import ray
 
     # Start every actor before handing out parts: otherwise the first actor up (a target load takes
     # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
     # hanging, when the cluster cannot place the pool (featurize, regenerate, online training alike).
     ray.data.DataContext.get_current().wait_for_min_actors_s = ACTOR_START_S
-    return ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+    if isinstance(parts, list):
+        size, parts = len(parts), ray.data.from_items(parts, override_num_blocks=len(parts))
+    else:
+        size = cfg.features.num_actors  # a stream of parts: as many as it reads
+    return parts.map_batches(
         actor,
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, len(parts))),
+        compute=ray.data.ActorPoolStrategy(size=min(cfg.features.num_actors, size)),
         num_cpus=cfg.features.cpus_per_actor,
         num_gpus=cfg.features.gpus_per_actor or None,
         resources=cfg.features.resources or None,
@@ -178,3 +182,21 @@ def root_cause(error: BaseException) -> str:
     text = str(error)
     found = re.search(r"^(\w+(?:\.\w+)*(?:Error|Exception)): (.*)$", text, re.MULTILINE)
     return f"{found[1]}: {found[2][:300]}" if found else f"{type(error).__name__}: {text[:300]}"
+
+
+# A read item's place in a training stream (pipeline.train.stream), carried onto its part's rows by
+# whatever makes them (a read task, a target actor), so that the rows say which item they came from.
+CARRIED = ("stream_epoch", "stream_part", "stream_from")
+
+
+def carry(table: Any, item: dict[str, Any]) -> Any:
+    """``table`` (Arrow) with the ``CARRIED`` values of ``item`` (a batch of one) as constant columns;
+    ``table`` unchanged when the item carries none (featurize's parts)."""
+    import numpy as np
+    import pyarrow as pa
+
+    table = table.drop_columns([c for c in CARRIED if c in table.column_names])
+    for name in CARRIED:
+        if name in item:
+            table = table.append_column(name, pa.array(np.full(table.num_rows, int(item[name][0]), np.int64)))
+    return table

@@ -1,28 +1,25 @@
 """The data a training stage reads: held-out split, reduced vocabulary, and each worker's feed.
 
-Each Ray Train worker reads its shard of the stage's Ray Data datasets (``pipeline.train.feed``:
-``streaming_split(world, equal=True)``, so a rank reads ~1/world of the rows). ``ShardFeed`` turns a
-shard into micro-batches:
+Each Ray Train worker reads its shard of the stage's stream (``pipeline.train.stream``: blocks dealt
+round robin, so a rank reads ~1/world of the rows). ``ShardFeed`` turns a shard into micro-batches:
 
 - **Lockstep.** Every rank takes the same number of rows per micro-batch: each proposes how many of
   its next rows fit ``batch_tokens`` (B * T_max), and all take the smallest proposal (one integer
-  all-reduce). Ranks hold equal row counts per epoch (the equal split), so they reach the end of an
-  epoch at the same micro-batch and start the next one together: Ray Data starts an epoch only when
-  every split asks for it, and a rank that ran ahead would wait there while the others wait for its
-  gradients.
-- **Deterministic.** The datasets run with ``preserve_order``: the same blocks reach the same rank in
-  the same order on every attempt, and each rank shuffles its rows within windows with a seed of
-  (seed, epoch, rank). A data position is (epoch, rows taken in it), the same on every rank, so a
-  resumed stage skips exactly the rows it had trained on.
+  all-reduce). When one rank's share of an execution is used up, every rank starts the next
+  execution together (the rest of a block per rank, at most, is left).
+- **Deterministic.** The stream runs with ``preserve_order``: the same blocks reach the same rank in
+  the same order on every attempt. A data position is the place of a block (epoch, part, row), the
+  same on every rank, and how far into it the ranks are, so a resumed stage starts its stream there
+  and skips exactly the rows it had trained on.
 """
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 import torch
 
@@ -30,8 +27,7 @@ from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
 from pipeline.config import TrainSection
 from pipeline.data.store import iter_rows, pad_batches, part_files, table_rows
-
-SHUFFLE_WINDOW = 256
+from pipeline.train.stream import POSITION, first_start
 
 
 def store_tokens(store: str) -> Iterator[tuple[str, list[int], list[int]]]:
@@ -70,63 +66,62 @@ def split_rows(files: list[str], ids: set[str], keep: bool, layers: bool = False
     return (row for row in iter_rows(files, layers) if (row["sample_id"] in ids) == keep)
 
 
-def row_bytes(row: dict) -> int:
-    """The feature bytes a row holds (and pins of its block while it waits in a shuffle window)."""
-    return sum(row[k].size for k in ("hidden", "layers") if row.get(k) is not None)
-
-
-def windowed_shuffle(rows: Iterable[dict], rng: random.Random, max_bytes: int) -> Iterator[dict]:
-    """``rows`` shuffled within consecutive windows of ``SHUFFLE_WINDOW`` rows or ``max_bytes`` of
-    features, whichever is reached first (``train.shuffle_bytes``: an 8B target's 2k-token row is 16 MB,
-    a 3-layer draft's 64 MB): the store's parts are length-sorted runs, so a window mixes rows of
-    similar length (little padding)."""
-    window: list[dict] = []
-    held = 0
-    for row in rows:
-        window.append(row)
-        held += row_bytes(row)
-        if len(window) == SHUFFLE_WINDOW or held >= max_bytes:
-            rng.shuffle(window)
-            yield from window
-            window.clear()
-            held = 0
-    rng.shuffle(window)
-    yield from window
-
-
-def shard_rows(shard, block_bytes: list[int]) -> Iterator[dict]:
-    """One epoch of a Ray Data shard as rows (views on its Arrow blocks); appends each block's bytes to
-    ``block_bytes`` as it arrives (what this rank read)."""
+def shard_rows(shard, feed: "ShardFeed") -> Iterator[dict]:
+    """One execution of a Ray Data shard of the stage's stream as rows (views on its Arrow blocks), each
+    with its ``epoch``, the place of its block's first row (``block``) and its ``offset`` in the block;
+    ``feed.received`` counts each block as it arrives."""
     for table in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
-        block_bytes.append(table.nbytes)
-        yield from table_rows(table)
+        epochs = table["epoch"].to_numpy()
+        feed.received(epochs, table.nbytes)
+        block = {key: int(table[key][0].as_py()) for key in POSITION}
+        for offset, (row, epoch) in enumerate(zip(table_rows(table), epochs)):
+            yield row | {"epoch": int(epoch), "block": block, "offset": offset}
 
 
 class ShardFeed:
-    """This rank's training rows, epoch after epoch, as lists of rows that fit ``batch_tokens``, the
-    same number of rows on every rank (module docstring), shuffled in windows of at most
-    ``train.shuffle_bytes``. ``epoch``, ``taken``: where to resume."""
+    """This rank's training rows from the stage's stream (``pipeline.train.stream``), as lists of rows
+    that fit ``batch_tokens``, the same number of rows on every rank (module docstring). ``start``:
+    where the stream starts (``first_start``, or a checkpoint's ``position()``); ``stream_start``: the
+    stage's ``StreamStart`` actor, which rank 0 tells before the ranks read."""
 
-    def __init__(self, shard, rank: int, world: int, device, train: TrainSection, epoch: int = 0, taken: int = 0):
+    def __init__(self, shard, rank: int, world: int, device, train: TrainSection, stream_start, start, epochs: int):
         self.shard, self.rank, self.world, self.device = shard, rank, world, device
-        self.seed, self.batch_tokens, self.shuffle_bytes = train.seed, train.batch_tokens, train.shuffle_bytes
-        self.epoch, self.taken = epoch, taken
+        self.batch_tokens, self.stream_start, self.epochs = train.batch_tokens, stream_start, epochs
         self.block_bytes: list[int] = []  # bytes of every block this rank received, this attempt
-        self.finished: list[dict[str, int]] = []  # epochs read to the end: their rows and bytes on this rank
-        self._start_epoch(skip=taken)
+        self.per_epoch: dict[int, dict[str, int]] = {}  # rows and bytes received of each epoch, this attempt
+        self._open(start)
 
-    def _start_epoch(self, skip: int) -> None:
-        rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}")
-        self._epoch_start = len(self.block_bytes)
-        self._rows = windowed_shuffle(shard_rows(self.shard, self.block_bytes), rng, self.shuffle_bytes)
-        self._ahead: list[dict] = []
-        for _ in range(skip):  # rows the interrupted attempt trained on in this epoch
+    def _open(self, start: dict[str, Any]) -> None:
+        """Start an execution at ``start``: rank 0 says where, every rank waits for that, then skips the
+        rows of its first block that it trained on before."""
+        import ray
+
+        if self.rank == 0:
+            ray.get(self.stream_start.set.remote(start))
+        if self.world > 1:
+            torch.distributed.barrier()
+        self.start, self.taken, self._ahead = start, 0, []
+        self._rows = shard_rows(self.shard, self)
+        for _ in range(start["skip"]):
             if next(self._rows, None) is None:
-                raise ValueError(f"resume position {skip} is past the end of epoch {self.epoch}'s rows")
+                raise ValueError(f"resume position {start} is past the end of the stream")
+
+    def received(self, epochs: np.ndarray, nbytes: int) -> None:
+        self.block_bytes.append(nbytes)
+        for epoch, rows in zip(*np.unique(epochs, return_counts=True)):
+            seen = self.per_epoch.setdefault(int(epoch), {"epoch": int(epoch), "rows": 0, "bytes": 0})
+            seen["rows"] += int(rows)
+            seen["bytes"] += nbytes * int(rows) // len(epochs)
+
+    @property
+    def finished(self) -> list[dict[str, int]]:
+        """The epochs this rank has read to the end (a row of a later one has arrived)."""
+        last = max(self.per_epoch, default=0)
+        return [seen for epoch, seen in sorted(self.per_epoch.items()) if epoch < last]
 
     def _fitting(self) -> int:
         """How many of the next rows fit the budget (a row longer than the budget goes alone); 0 when
-        this epoch's rows are used up."""
+        this execution's rows are used up."""
         n, longest = 0, 0
         while True:
             if n == len(self._ahead):
@@ -146,23 +141,29 @@ class ShardFeed:
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         return int(agreed.item())
 
-    def take(self) -> tuple[list[dict], int]:
-        """The next micro-batch's rows and the epoch they belong to."""
+    def take(self) -> list[dict]:
+        """The next micro-batch's rows."""
         count = self._agree(self._fitting())
-        if count == 0:  # every rank's share of this epoch is used up, at the same micro-batch
+        if count == 0:  # a rank's share of this execution is used up: every rank starts the next
             if self.taken == 0:
                 raise ValueError(
                     f"rank {self.rank} of {self.world} got no training rows: the store's train split is too "
                     "small for this many workers"
                 )
-            read = sum(self.block_bytes[self._epoch_start :])  # the whole share, skipped rows included
-            self.finished.append({"epoch": self.epoch, "rows": self.taken, "bytes": read})
-            self.epoch, self.taken = self.epoch + 1, 0
-            self._start_epoch(skip=0)
+            self._open(first_start(self.start["end"], self.epochs))
             return self.take()
         rows, self._ahead = self._ahead[:count], self._ahead[count:]
         self.taken += count
-        return rows, self.epoch
+        return rows
+
+    def position(self) -> dict[str, Any]:
+        """Where a resumed stage starts (rank 0's, which holds for every rank): the block of the next row
+        and how far into it, in a stream with this one's end; or the next execution's start."""
+        if not self._ahead and (row := next(self._rows, None)) is not None:
+            self._ahead.append(row)
+        if not self._ahead:
+            return first_start(self.start["end"], self.epochs)
+        return {**self._ahead[0]["block"], "skip": self._ahead[0]["offset"], "end": self.start["end"]}
 
 
 def shifted_batches(
@@ -172,10 +173,9 @@ def shifted_batches(
     device,
     window: LossWindow = "draft",
     layers: bool = False,
-    epoch: int = 0,
 ) -> Iterator[tuple[ShiftedBatch, list[str]]]:
-    """Padded, shifted training batches and the "<epoch>:<sample id>" of each row in them; with
-    ``layers`` the batches' inputs are the rows' feature layers (a multi-layer draft's)."""
+    """Padded, shifted training batches and the sample id of each row in them; with ``layers`` the
+    batches' inputs are the rows' feature layers (a multi-layer draft's)."""
     for batch in pad_batches(rows, batch_tokens, hidden_size, layers):
         shifted = shift_batch(
             batch["features"].to(device),
@@ -185,12 +185,12 @@ def shifted_batches(
             window,
             batch["layer_features"].to(device) if layers else None,
         )
-        yield shifted, [f"{epoch}:{sid}" for sid in batch["sample_ids"]]
+        yield shifted, list(batch["sample_ids"])
 
 
 def feed_batch(feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool) -> tuple[ShiftedBatch, list[str]]:
     """The next micro-batch of ``feed``, padded and shifted, and its "<epoch>:<sample id>"s."""
-    rows, epoch = feed.take()
+    rows = feed.take()
     longest = max(int(r["seq_len"]) for r in rows)
-    (batch,) = shifted_batches(rows, len(rows) * longest, hidden_size, feed.device, window, layers, epoch)
-    return batch
+    ((batch, _),) = shifted_batches(rows, len(rows) * longest, hidden_size, feed.device, window, layers)
+    return batch, [f"{r['epoch']}:{r['sample_id']}" for r in rows]

@@ -39,14 +39,17 @@ from pipeline.train.feed import (
     data_config,
     estimated_bytes,
     materialize,
-    online_datasets,
+    materialized_parts,
+    online_parts,
     should_materialize,
-    stored_datasets,
+    stored_eval,
+    stored_parts,
 )
+from pipeline.train.stream import StreamStart, epochs_hint, train_stream
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.identity import target_fingerprint, target_identity
 from pipeline.resources.targets import draft_feature_layers
-from pipeline.train.worker import SCORE, StageProgress, train_worker
+from pipeline.train.worker import SCORE, TRAIN_STATE, StageProgress, train_worker
 from pipeline.data.heldout import held_out_ids, store_part_ids
 from pipeline.train.batches import reduced_vocabulary, store_tokens
 
@@ -137,6 +140,12 @@ def check_resume_world_size(cfg: RunConfig, stage: StageSection) -> None:
     checkpoints = sorted(p for p in run.glob("checkpoint_*") if p.is_dir() and any(p.glob("rng_rank*.pt")))
     if not checkpoints:
         return
+    state = checkpoints[-1] / TRAIN_STATE
+    if state.exists() and "stream" not in torch.load(state, weights_only=True, mmap=True):
+        raise ValueError(
+            f"stage {stage.stage} would resume from {checkpoints[-1]}, saved by an earlier version that read "
+            "its data in another order: start the stage again under another run_name"
+        )
     saved = len(list(checkpoints[-1].glob("rng_rank*.pt")))  # Ray names checkpoints by time: the last is the latest
     if saved != cfg.train.num_workers:
         raise ValueError(
@@ -147,6 +156,8 @@ def check_resume_world_size(cfg: RunConfig, stage: StageSection) -> None:
 
 
 def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
+    import ray
+
     out = stage_dir(cfg, stage.stage)
     out.mkdir(parents=True, exist_ok=True)
     mlflow = setup_mlflow(cfg)
@@ -179,7 +190,8 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         "plan": plan.model_dump(mode="json"),
         "init_dir": init_dir,
         "d2t": d2t,
-        "has_eval": "eval" in context["datasets"],
+        "has_eval": context["inputs"]["eval"] is not None,
+        "epochs_hint": _epochs_hint(cfg, stage, context["inputs"]),
         "mlflow_run_id": run_id,
         "stage_dir": str(out.resolve()),
         "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id, "init_from": init_dir},
@@ -191,7 +203,12 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     ):
         failures.clear(out)
         check_resume_world_size(cfg, stage)
-        result = _trainer(cfg, stage, {**loop_config, "progress": channel}, context["datasets"]).fit()
+        start = ray.remote(num_cpus=0)(StreamStart).remote()
+        try:
+            datasets = _stage_datasets(cfg, context["inputs"], start)
+            result = _trainer(cfg, stage, {**loop_config, "progress": channel, "stream": start}, datasets).fit()
+        finally:
+            ray.kill(start)
         if given_up := failures.exhausted(out, cfg.train.max_same_failures):
             raise RuntimeError(
                 f"train stage {stage.stage} stopped after the same failure {given_up['count']} times in a row "
@@ -292,7 +309,11 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     return {
         "sample_ids": sample_ids,
         "tokens": lambda: store_tokens(cfg.store_path),
-        "datasets": lambda eval_ids: stored_datasets(part_ids, key["dtype"], layers, eval_ids),
+        "inputs": lambda eval_ids: (
+            stored_parts(part_ids, key["dtype"], layers, eval_ids),
+            stored_eval(part_ids, key["dtype"], layers, eval_ids),
+        ),
+        "mean_length": tokens / max(len(sample_ids), 1),
         "bytes": estimated_bytes(tokens, key["hidden_size"], key["dtype"], len(draft_feature_layers(cfg, target))),
         "sha256": _digest(manifest),
     }
@@ -310,23 +331,39 @@ def _online_data(cfg: RunConfig, target) -> dict[str, Any]:
     return {
         "sample_ids": [s.sample_id for s in samples],
         "tokens": lambda: ((s.sample_id, s.input_ids, s.loss_mask) for s in samples),
-        "datasets": lambda eval_ids: online_datasets(cfg, key, samples, eval_ids),
+        "inputs": lambda eval_ids: online_parts(cfg, key, samples, eval_ids),
+        "mean_length": tokens / len(samples),
         "bytes": estimated_bytes(tokens, key["hidden_size"], cfg.features.dtype, layers),
         "sha256": _digest({"capture_key": key, "sample_ids": sorted(s.sample_id for s in samples)}),
     }
 
 
-def _datasets(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[str, Any]:
-    """The stages' ``train`` and ``eval`` datasets, materialized when ``train.materialize`` says so
+def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[str, Any]:
+    """The stages' training parts and held-out dataset, materialized when ``train.materialize`` says so
     (``pipeline.train.feed``): built when the first stage to run starts, so that a rerun whose stages
     are all complete reads nothing."""
     if cfg.train.features == "online":  # never workers waiting on feature actors that cannot start
         check_online_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
-    datasets = data["datasets"](eval_ids)
+    parts, held_out = data["inputs"](eval_ids)
+    inputs = {"parts": parts, "eval": held_out, "rows": len(data["sample_ids"]) - len(eval_ids)}
+    inputs["mean_length"] = data["mean_length"]
     if not should_materialize(cfg.train.materialize, data["bytes"]):
-        return datasets
+        return inputs
     logger.info("train: materializing the train and held-out rows (~%.1f MB) for every epoch", data["bytes"] / 1e6)
-    return materialize(datasets)
+    return inputs | {"parts": materialized_parts(parts), "eval": held_out and materialize(held_out)}
+
+
+def _stage_datasets(cfg: RunConfig, inputs: dict[str, Any], start) -> dict[str, Any]:
+    """The stage's ``train`` stream (its executions start where ``start``, a ``StreamStart`` actor, says)
+    and the held-out dataset."""
+    train = train_stream(inputs["parts"], cfg.train.seed, start)
+    return {"train": train, **({"eval": inputs["eval"]} if inputs["eval"] is not None else {})}
+
+
+def _epochs_hint(cfg: RunConfig, stage: StageSection, inputs: dict[str, Any]) -> int:
+    rows, length = inputs["rows"], inputs["mean_length"]
+    micro = cfg.train.method.grad_accum
+    return epochs_hint(stage.steps, micro, cfg.train.num_workers, cfg.train.batch_tokens, rows, int(rows * length))
 
 
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
@@ -348,7 +385,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
             reply_only=cfg.draft.vocab_from == "reply",
         ).tolist()
     context = {
-        "datasets": None,  # built for the first stage that runs
+        "inputs": None,  # built for the first stage that runs
         "provenance": {
             "store": cfg.store_path if cfg.train.features == "offline" else None,
             "features": cfg.train.features,
@@ -365,7 +402,7 @@ def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:
         if read_marker(done) is not None:
             say(f"[train] stage {item.stage} already complete: {done.parent / 'best'}")
         elif stage is None or item.stage == stage:
-            context["datasets"] = context["datasets"] or _datasets(cfg, data, eval_ids)
+            context["inputs"] = context["inputs"] or _inputs(cfg, data, eval_ids)
             _run_stage(cfg, item, init_dir, d2t if init_dir is None else None, context)
         elif stage is not None and item.stage < stage:
             raise ValueError(

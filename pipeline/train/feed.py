@@ -1,34 +1,35 @@
-"""A training stage's input as Ray Data datasets, split across the Ray Train workers.
+"""A training stage's input: its training parts and its held-out rows, split across the Ray Train workers.
 
-``train.features: offline`` reads the feature store: a Ray Data task per part file of the manifest,
-only the columns the draft reads (a single-feature draft never reads the multi-layer column).
-``online`` computes the same rows as training reads them: the featurize stage's target actors
-(``PartFeatures``, with featurize's pool size and resources) run over the same planned parts a
-featurize would write, and nothing is stored. Either way the held-out rows (by sample id) form the
-``eval`` dataset (none without held-out rows) and the rest the ``train`` dataset, in the same order,
-cut into ``ROWS_PER_BLOCK``-row blocks.
+``train.features: offline`` reads the feature store: a Ray Data task per part file, only the columns
+the draft reads (a single-feature draft never reads the multi-layer column). ``online`` computes the
+same rows as training reads them: the featurize stage's target actors (``PartFeatures``, with
+featurize's pool size and resources) run over the same planned parts a featurize would write, and
+nothing is stored. Either way the training parts (``TrainParts``) feed the stage's stream
+(``pipeline.train.stream``), and the held-out rows (by sample id) form the ``eval`` dataset (none
+without held-out rows), cut into ``ROWS_PER_BLOCK``-row blocks.
 
-``data_config()`` splits both with ``streaming_split(world, equal=True)`` (Ray Train's
-``DataConfig``), so each rank reads ~1/world of the rows, with ``preserve_order`` so that the same
-rows reach the same rank in the same order on every attempt (exact resume; ``pipeline.train.batches``).
+``data_config()`` splits both with ``streaming_split(world, equal=False)``, so each rank reads
+~1/world of the rows, with ``preserve_order`` so that the same rows reach the same rank in the same
+order on every attempt (exact resume).
 
-A split runs its dataset anew for every epoch, worker-group restart and stage: offline that reads the
-parts again, online it starts the target actors again (each loads the target) and recomputes every
-feature. ``materialize()`` runs both datasets once on the driver instead (``train.materialize``;
-``auto``: when ``estimated_bytes`` fits a quarter of the object store); the splits then hand out the
-same blocks in the same order, so ranks receive exactly the rows a streamed run gives them.
+``materialized_parts()`` reads (online: featurizes) each training part once on the driver and holds it
+in the object store, and ``materialize()`` the held-out rows, for every epoch, restart and stage
+(``train.materialize``; ``auto``: when ``estimated_bytes`` fits a quarter of the object store); the
+stream then reads the held blocks, so ranks receive exactly the rows a streamed run gives them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import RunConfig
 from pipeline.data.heldout import heldout_parts
 from pipeline.data.layout import parts_dataset
+from pipeline.data.parts import carry
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
 ROWS_PER_BLOCK = 16
@@ -36,12 +37,24 @@ MATERIALIZE_SHARE = 0.25  # of the cluster's object-store memory: Ray Data's own
 
 
 def data_config():
-    """Ray Train's dataset split, deterministic (locality hints give way to order)."""
+    """Ray Train's dataset split, deterministic (locality hints give way to order), and unequal: blocks
+    are dealt as they come (``pipeline.train.stream``), none held back to even the ranks out at the end."""
     from ray.train import DataConfig
+
+    class DealtSplit(DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output: list[dict[str, Any]] = [{} for _ in range(world_size)]
+            for name, dataset in datasets.items():
+                dataset = dataset.copy(dataset)
+                dataset.set_name(name)
+                dataset.context.execution_options = self._resolve_execution_options(name)
+                for rank, split in enumerate(dataset.streaming_split(world_size, equal=False)):
+                    output[rank][name] = split
+            return output
 
     options = DataConfig.default_ingest_options()
     options.preserve_order = True
-    return DataConfig(datasets_to_split="all", execution_options=options)
+    return DealtSplit(execution_options=options)
 
 
 def feature_columns(dtype: str, layers: bool) -> list[str]:
@@ -68,26 +81,39 @@ def reblock(dataset):
     return dataset.repartition(target_num_rows_per_block=ROWS_PER_BLOCK, strict=True)
 
 
-def _filtered(base, ids: list[str], keep: bool):
-    return reblock(
-        base.map_batches(select_rows, batch_size=None, batch_format="pyarrow", fn_kwargs={"ids": ids, "keep": keep})
-    )
+class TrainParts:
+    """A stage's training parts, by index into the stage's part list (the store's parts holding training
+    rows in read order, or the training groups featurize would write, in plan order: the same list
+    either way). ``tables(items)`` turns a dataset of read items (``CARRIED`` columns: epoch, part,
+    first row) into each item's whole part as one table, the item's columns carried onto its rows;
+    ``held_out``: ids to drop from the parts (rows of a part that mixes both)."""
+
+    def __init__(self, count: int, tables, held_out: list[str], holds: Any = None):
+        self.count, self.tables, self.held_out = count, tables, held_out
+        self.holds = holds  # what keeps materialized blocks alive for as long as these parts are read
 
 
-def stored_datasets(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str]) -> dict[str, Any]:
-    """``train`` and ``eval`` datasets of the store's parts (``part_ids``: each part file's sample ids, in
-    read order), a read task per part (``pipeline.data.layout.parts_dataset``): each reads only the parts
-    that hold its rows (``pipeline.data.heldout.heldout_parts``), so the held-out set costs its own parts."""
-    held, train = heldout_parts(part_ids, eval_ids)
-    ids, columns = sorted(eval_ids), feature_columns(dtype, layers)
-    datasets = {"train": _filtered(parts_dataset(train, columns), ids, keep=False)}
-    return datasets | ({"eval": _filtered(parts_dataset(held, columns), ids, keep=True)} if ids else {})
+def stored_parts(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str]) -> TrainParts:
+    """The store's parts that hold training rows (``pipeline.data.heldout.heldout_parts``), a read task
+    per part, only the columns the draft reads."""
+    _, files = heldout_parts(part_ids, eval_ids)
+    mixed = sorted(i for f in files for i in part_ids[f] if i in eval_ids)
+    columns = feature_columns(dtype, layers)
+
+    def tables(items):
+        return items.map_batches(
+            read_part, batch_size=1, batch_format="numpy", fn_kwargs={"files": files, "columns": columns}
+        )
+
+    return TrainParts(len(files), tables, mixed)
 
 
-def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: set[str]) -> dict[str, Any]:
-    """``train`` and ``eval`` datasets whose features the target actors compute as they are read: the
-    parts ``griffin featurize`` would write (same grouping and order), each cut to its train or its
-    held-out samples before the target sees it, so no held-out row is featurized for training."""
+def online_parts(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: set[str]) -> tuple[TrainParts, Any]:
+    """The training parts ``griffin featurize`` would write (same grouping and order), their features
+    computed by the target actors as they are read, and the held-out dataset alike: no held-out row is
+    featurized for training."""
+    import ray
+
     from pipeline.data.featurize import PartFeatures, group_parts, pack_part, target_part
     from pipeline.data.parts import part_actor_dataset
 
@@ -100,12 +126,28 @@ def online_datasets(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids
         fingerprint=target_part(key),
         layers=tuple(layers),
     )
+    train = [pack_part(p) for g in groups if (p := [s for s in g if s.sample_id not in eval_ids])]
+    held = [pack_part(p) for g in groups if (p := [s for s in g if s.sample_id in eval_ids])]
+    packed = [ray.put(part) for part in train]  # read by index as the stream asks for each part
 
-    def dataset(keep: bool):
-        parts = [[s for s in group if (s.sample_id in eval_ids) == keep] for group in groups]
-        return reblock(part_actor_dataset(cfg, PartFeatures, [pack_part(p) for p in parts if p], kwargs))
+    def tables(items):
+        items = items.map_batches(packed_part, batch_size=1, batch_format="numpy", fn_kwargs={"packed": packed})
+        return part_actor_dataset(cfg, PartFeatures, items, kwargs)
 
-    return {"train": dataset(False), **({"eval": dataset(True)} if eval_ids else {})}
+    parts = TrainParts(len(train), tables, [], holds=packed)
+    return parts, (reblock(part_actor_dataset(cfg, PartFeatures, held, kwargs)) if held else None)
+
+
+def stored_eval(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str]):
+    """The held-out rows as a dataset, read from the parts that hold them (None without any)."""
+    held, _ = heldout_parts(part_ids, eval_ids)
+    if not eval_ids:
+        return None
+    base = parts_dataset(held, feature_columns(dtype, layers))
+    selected = base.map_batches(
+        select_rows, batch_size=None, batch_format="pyarrow", fn_kwargs={"ids": sorted(eval_ids), "keep": True}
+    )
+    return reblock(selected)
 
 
 def online_bundles(cfg: RunConfig) -> list[dict[str, float]]:
@@ -173,10 +215,63 @@ def should_materialize(setting: bool | str, size: int) -> bool:
     return size <= MATERIALIZE_SHARE * ray.cluster_resources().get("object_store_memory", 0)
 
 
-def materialize(datasets: dict[str, Any]) -> dict[str, Any]:
-    """Each dataset run once, in order, its blocks held in the object store for as long as the
-    returned datasets live (one block per bundle, as the stream delivers them: the split assigns rows
-    to ranks as it would from the stream)."""
-    for dataset in datasets.values():
-        dataset.context.execution_options.preserve_order = True
-    return {name: dataset.materialize() for name, dataset in datasets.items()}
+def materialize(dataset):
+    """``dataset`` run once, in order, its blocks held in the object store for as long as the returned
+    dataset lives (one block per bundle, as the stream delivers them: the split assigns rows to ranks
+    as it would from the stream)."""
+    dataset.context.execution_options.preserve_order = True
+    return dataset.materialize()
+
+
+def materialized_parts(parts: TrainParts) -> TrainParts:
+    """``parts`` read (or featurized) once, each held in the object store as one block, and read from
+    there by index for every epoch, restart and stage."""
+    import ray
+
+    every = [{"stream_epoch": 0, "stream_part": i, "stream_from": 0} for i in range(parts.count)]
+    base = parts.tables(ray.data.from_items(every, override_num_blocks=parts.count))
+    base.context.target_max_block_size = None  # a part is one block
+    held = materialize(base)
+    blocks = [ref for bundle in held.iter_internal_ref_bundles() for ref in bundle.block_refs]
+    if len(blocks) != parts.count:  # a part left empty (every row non-finite) would shift the rest
+        raise RuntimeError(
+            f"materialized {len(blocks)} blocks for {parts.count} training parts; set train.materialize=false"
+        )
+
+    def tables(items):
+        return items.map_batches(held_part, batch_size=1, batch_format="numpy", fn_kwargs={"blocks": blocks})
+
+    return TrainParts(parts.count, tables, parts.held_out, holds=(held, blocks))
+
+
+def read_part(item: dict[str, np.ndarray], files: list[str], columns: list[str]) -> pa.Table:
+    """The part file an item names, ``columns`` only, the item's place carried onto its rows."""
+    import pyarrow.parquet as pq
+
+    return carry(pq.read_table(files[int(item["stream_part"][0])], columns=columns), item)
+
+
+def held_part(item: dict[str, np.ndarray], blocks: list[Any]) -> pa.Table:
+    """The materialized part an item names, the item's place carried onto its rows."""
+    import ray
+
+    return carry(ray.get(blocks[int(item["stream_part"][0])]), item)
+
+
+def packed_part(item: dict[str, np.ndarray], packed: list[Any]) -> pa.Table:
+    """The planned part an item names, as one row for the target actors (``pack_part``'s columns), the
+    item's place carried on."""
+    import ray
+
+    part = ray.get(packed[int(item["stream_part"][0])])
+    row = {
+        "index": pa.array([part["index"]], pa.int64()),
+        "sample_id": pa.array([list(part["sample_id"])], pa.list_(pa.string())),
+        **{k: _one_list(part[k]) for k in ("lengths", "input_ids", "loss_mask")},
+    }
+    return carry(pa.table(row), item)
+
+
+def _one_list(values: np.ndarray) -> pa.Array:
+    """``values`` as a list column of one row (no Python lists in between)."""
+    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), pa.array(values))

@@ -39,6 +39,7 @@ from pipeline.data.store import table_rows
 from pipeline.train import failures
 from pipeline.train.batches import ShardFeed, feed_batch, shifted_batches
 from pipeline.train.preemption import PreemptionWatch
+from pipeline.train.stream import first_start
 
 SCORE = "eval/sim_accept_len"
 
@@ -102,15 +103,14 @@ def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, feed: S
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
-        position = {"epoch": feed.epoch, "taken": feed.taken, "world_size": feed.world}  # taken: per rank
-        torch.save({**state, **position}, directory / TRAIN_STATE)
+        torch.save({**state, "stream": feed.position(), "world_size": feed.world}, directory / TRAIN_STATE)
     torch.save({"rng": torch.get_rng_state(), "weights_sha256": weights}, directory / rng_state_name(rank))
 
 
-def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int, int]:
-    """Load the latest checkpoint into this rank; (step, epoch, rows taken in it), zeros without one."""
+def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, dict[str, Any] | None]:
+    """Load the latest checkpoint into this rank; (step, where the stream resumes), (0, None) without one."""
     if checkpoint is None:
-        return 0, 0, 0
+        return 0, None
     from safetensors.torch import load_file
 
     with checkpoint.as_directory() as directory:
@@ -120,7 +120,7 @@ def _restore(checkpoint, draft, optimizer, scheduler, rank) -> tuple[int, int, i
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(rng["rng"])
-    return state["step"], state["epoch"], state["taken"]
+    return state["step"], state["stream"]
 
 
 def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: bool) -> list[tuple]:
@@ -260,11 +260,13 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
     optimizer = make_optimizer(draft, method, plan)
     scheduler = make_scheduler(optimizer, method, plan)
-    step, epoch, taken = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
+    step, position = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
     at["checkpoint_step"] = step
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
-    shard = ray.train.get_dataset_shard("train")
-    feed = ShardFeed(shard, rank, world, device, cfg.train, epoch, taken)
+    shard, epochs = ray.train.get_dataset_shard("train"), config["epochs_hint"]
+    feed = ShardFeed(
+        shard, rank, world, device, cfg.train, config["stream"], position or first_start(0, epochs), epochs
+    )
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"

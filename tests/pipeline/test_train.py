@@ -158,7 +158,7 @@ def test_resume_after_crash_gives_identical_weights(store, schedule_run):
         weights, (state, _) = last_weights(cfg, 1), last_states(cfg, 1)
         assert reference.keys() == weights.keys() and all(torch.equal(reference[k], weights[k]) for k in reference)
         assert state["step"] == reference_state["step"] and state["scheduler"] == reference_state["scheduler"]
-        assert (state["epoch"], state["taken"]) == (reference_state["epoch"], reference_state["taken"])
+        assert state["stream"] == reference_state["stream"]
         assert state["world_size"] == reference_state["world_size"] == 2
         ours, theirs = state["optimizer"]["state"], reference_state["optimizer"]["state"]  # Adam moments
         assert ours.keys() == theirs.keys()
@@ -272,86 +272,137 @@ def test_rerun_skips_completed_stages(schedule_run, capsys):
     assert capsys.readouterr().out.count("already complete") == 3
 
 
-def split_ids(dataset, epochs: int = 2) -> list[list[list[str]]]:
-    """The sample ids each of two ranks reads from ``dataset`` in each epoch, as Ray Train splits it."""
+def stream_ids(parts, start: dict, world: int = 2) -> list[list[tuple[int, str]]]:
+    """(epoch, sample id) of each row each of ``world`` ranks reads from one execution of the stream
+    of ``parts`` starting at ``start``, split as Ray Train splits it."""
     import threading
 
-    dataset.context.execution_options.preserve_order = True
-    splits, seen = dataset.streaming_split(2, equal=True), [[], []]
+    import ray
 
-    def read(rank):  # every split must ask before an epoch starts: the ranks read side by side
-        for _ in range(epochs):
-            tables = splits[rank].iter_batches(batch_size=None, batch_format="pyarrow")
-            seen[rank].append([sid for table in tables for sid in table.column("sample_id").to_pylist()])
+    from pipeline.train.feed import data_config
+    from pipeline.train.stream import StreamStart, train_stream
+
+    actor = ray.remote(num_cpus=0)(StreamStart).remote()
+    ray.get(actor.set.remote(start))
+    splits = data_config().configure({"train": train_stream(parts, 0, actor)}, world, None, None)
+    seen: list[list[tuple[int, str]]] = [[] for _ in range(world)]
+
+    def read(rank):  # every split must ask before the execution starts: the ranks read side by side
+        for table in splits[rank]["train"].iter_batches(batch_size=None, batch_format="pyarrow"):
+            seen[rank] += list(zip(table["epoch"].to_pylist(), table["sample_id"].to_pylist()))
+
+    threads = [threading.Thread(target=read, args=(rank,)) for rank in range(world)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    ray.kill(actor)
+    return seen
+
+
+def test_the_stream_deals_every_training_row_once_an_epoch_in_a_new_order(store):
+    """One execution spans the epochs: each epoch every training row reaches exactly one rank, the ranks
+    get ~half each, the next epoch reads them in another order; read from the files or from parts
+    held in the object store (``train.materialize``), every rank gets the same rows in the same order."""
+    from pipeline.data.heldout import held_out_ids, store_part_ids
+    from pipeline.data.store import read_manifest
+    from pipeline.train.feed import materialized_parts, stored_parts
+    from pipeline.train.stream import first_start
+
+    _, _, store_path = store
+    part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    eval_ids = held_out_ids([i for ids in part_ids.values() for i in ids], 0.2)
+    parts = stored_parts(part_ids, dtype, False, eval_ids)
+    ranks = stream_ids(parts, first_start(0, 2))
+    train_ids = sorted({i for ids in part_ids.values() for i in ids} - eval_ids)
+    for epoch in (0, 1):
+        rows = [[sid for e, sid in seen if e == epoch] for seen in ranks]
+        assert sorted(rows[0] + rows[1]) == train_ids and abs(len(rows[0]) - len(rows[1])) <= 16
+    assert [s for e, s in ranks[0] if e == 0] != [s for e, s in ranks[0] if e == 1]
+    assert stream_ids(materialized_parts(parts), first_start(0, 2)) == ranks
+
+
+def test_a_stream_started_at_a_block_deals_every_rank_what_it_would_have_read(store):
+    """The resume rule: started at the first row of a block of rank 0 (the place its rows carry), the
+    stream gives each rank exactly the rows it had from that block on, in the same order, the epoch's
+    part order and each part's shuffle included; mid-part and mid-epoch."""
+    from pipeline.data.heldout import store_part_ids
+    from pipeline.data.store import read_manifest
+    from pipeline.train.feed import stored_parts
+    from pipeline.train.stream import first_start
+
+    _, _, store_path = store
+    part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    parts = stored_parts(part_ids, dtype, False, set())
+    whole = stream_ids(parts, first_start(0, 3))
+    places = places_of_rank0_blocks(parts, first_start(0, 3))
+    assert all(places[block]["row"] > 0 for block in (1, 3))  # both inside a part: its rows from there on
+    for block in (1, 3):  # rank 0's 2nd and 4th blocks: global blocks 2 and 6
+        start = {**places[block], "skip": 0, "end": 3}
+        resumed = stream_ids(parts, start)
+        assert resumed == [rows[16 * block :] for rows in whole], block
+
+
+def places_of_rank0_blocks(parts, start: dict) -> list[dict]:
+    """The (epoch, part, row) of the first row of each block rank 0 of 2 reads."""
+    import threading
+
+    import ray
+
+    from pipeline.train.feed import data_config
+    from pipeline.train.stream import POSITION, StreamStart, train_stream
+
+    actor = ray.remote(num_cpus=0)(StreamStart).remote()
+    ray.get(actor.set.remote(start))
+    splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
+    places: list[dict] = []
+
+    def read(rank):
+        for table in splits[rank]["train"].iter_batches(batch_size=None, batch_format="pyarrow"):
+            if rank == 0:
+                places.append({key: table[key][0].as_py() for key in POSITION})
 
     threads = [threading.Thread(target=read, args=(rank,)) for rank in (0, 1)]
     [thread.start() for thread in threads]
     [thread.join() for thread in threads]
-    return seen
-
-
-def test_materialized_datasets_reach_the_ranks_as_streamed_ones(store):
-    """``train.materialize`` changes where rows wait, not which rank reads which: the splits of the
-    materialized datasets hold the streamed splits' rows in the same order, every epoch, so an attempt
-    resumes exactly whichever way the interrupted one read. ``auto``: what fits a quarter of the
-    object store."""
-    import ray
-
-    from pipeline.data.heldout import store_part_ids
-    from pipeline.data.store import read_manifest
-    from pipeline.train.feed import materialize, should_materialize, stored_datasets
-
-    _, _, store_path = store
-    parts, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
-    # all 40 rows: blocks of 16, 16 and 8, which the split hands out whole and then equalizes, 20 a rank
-    (streamed,) = stored_datasets(parts, dtype, False, set()).values()
-    (held,) = materialize(stored_datasets(parts, dtype, False, set())).values()
-    ranks = split_ids(streamed)
-    assert split_ids(held) == ranks
-    assert ranks[0][0] == ranks[0][1] and len(ranks[0][0]) == 20 and not set(ranks[0][0]) & set(ranks[1][0])
-    room = ray.cluster_resources()["object_store_memory"]
-    assert should_materialize("auto", int(0.25 * room)) and not should_materialize("auto", int(0.26 * room))
-    assert should_materialize(True, 10 * int(room)) and not should_materialize(False, 0)
+    ray.kill(actor)
+    return places
 
 
 def test_held_out_rows_are_read_from_their_own_parts(store):
     """Featurize plans the held-out samples (``train.eval_fraction``'s) into parts of their own: the eval
-    dataset reads those parts only, the train dataset none of them. At another fraction the parts mix,
-    and both datasets read and filter the mixed ones: the same rows either way."""
+    dataset reads those parts only, the training stream none of them. At another fraction the parts
+    mix, and both read and filter the mixed ones: the same rows either way."""
+    import ray
+
     from pipeline.data.heldout import held_out_ids, heldout_parts, store_part_ids
-    from pipeline.train.feed import stored_datasets
+    from pipeline.train.feed import stored_eval, stored_parts
+    from pipeline.train.stream import StreamStart, first_start, train_stream
 
     _, _, store_path = store
     parts = store_part_ids(store_path)
     ids = [i for part in parts.values() for i in part]
+    actor = ray.remote(num_cpus=0)(StreamStart).remote()
+    ray.get(actor.set.remote(first_start(0, 1)))
     for fraction, pure in ((0.2, True), (0.3, False)):
         eval_ids = held_out_ids(ids, fraction)
         held, train = heldout_parts(parts, eval_ids)
         assert (not set(held) & set(train)) == pure and len(held) < len(parts)
         if pure:
             assert sum(len(parts[f]) for f in held) == len(eval_ids) == 8
-        datasets = stored_datasets(parts, "bf16", False, eval_ids)
-        read = {name: [r["sample_id"] for r in d.iter_rows()] for name, d in datasets.items()}
-        assert sorted(read["eval"]) == sorted(eval_ids) and sorted(read["train"]) == sorted(set(ids) - eval_ids)
+        evaluated = [r["sample_id"] for r in stored_eval(parts, "bf16", False, eval_ids).iter_rows()]
+        stream = train_stream(stored_parts(parts, "bf16", False, eval_ids), 0, actor)
+        trained = [r["sample_id"] for r in stream.iter_rows()]
+        assert sorted(evaluated) == sorted(eval_ids) and sorted(trained) == sorted(set(ids) - eval_ids)
+    ray.kill(actor)
 
 
-def test_the_shuffle_window_is_bounded_in_bytes():
-    """A rank holds at most ``train.shuffle_bytes`` of features (or 256 rows) to shuffle in: rows of
-    100 feature bytes with a 250-byte bound are shuffled in windows of 3, each window a permutation of
-    its own rows; small rows still go 256 to a window."""
-    import random
+def test_materialize_auto_holds_what_fits_a_quarter_of_the_object_store(ray_local):
+    import ray
 
-    import numpy as np
+    from pipeline.train.feed import should_materialize
 
-    from pipeline.train.batches import SHUFFLE_WINDOW, windowed_shuffle
-
-    rows = [{"sample_id": i, "hidden": np.zeros(100, np.uint8)} for i in range(10)]
-    out = [r["sample_id"] for r in windowed_shuffle(rows, random.Random(0), max_bytes=250)]
-    assert [sorted(out[i : i + 3]) for i in range(0, 10, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-    assert out != list(range(10))
-    small = [{"sample_id": i, "hidden": np.zeros(1, np.uint8)} for i in range(2 * SHUFFLE_WINDOW)]
-    out = [r["sample_id"] for r in windowed_shuffle(small, random.Random(0), max_bytes=1 << 30)]
-    assert sorted(out[:SHUFFLE_WINDOW]) == list(range(SHUFFLE_WINDOW))
+    room = ray.cluster_resources()["object_store_memory"]
+    assert should_materialize("auto", int(0.25 * room)) and not should_materialize("auto", int(0.26 * room))
+    assert should_materialize(True, 10 * int(room)) and not should_materialize(False, 0)
 
 
 def test_bad_configs_fail_clearly(store, tmp_path):
