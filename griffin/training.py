@@ -17,7 +17,7 @@ Shape legend: B batch, T tokens, D hidden, V draft vocab, K eval draft steps.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -62,9 +62,11 @@ def train_step(
     bf16: bool = True,
     generator: torch.Generator | None = None,
     target_head: Tensor | None = None,
+    ranks_mean: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, float]:
     """One optimizer step. ``model`` may be the DDP wrapper of ``draft``; ``target_head`` (V_target, D)
-    is the full LM head, needed for ``cfg.skip_out_of_vocab``."""
+    is the full LM head, needed for ``cfg.skip_out_of_vocab``; ``ranks_mean``: the mean of a count over
+    the data-parallel ranks (``griffin.losses.pass_losses``)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
@@ -72,7 +74,7 @@ def train_step(
     for batch in micro_batches:
         with autocast(batch.features.device, bf16):
             metrics = token_alignable_step(
-                model, batch, cfg, plan, draft=draft, generator=generator, target_head=target_head
+                model, batch, cfg, plan, draft, generator=generator, target_head=target_head, ranks_mean=ranks_mean
             )
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + value / cfg.grad_accum

@@ -156,14 +156,24 @@ class ShardFeed:
         self.taken += count
         return rows
 
-    def position(self) -> dict[str, Any]:
-        """Where a resumed stage starts (rank 0's, which holds for every rank): the block of the next row
-        and how far into it, in a stream with this one's end; or the next execution's start."""
-        if not self._ahead and (row := next(self._rows, None)) is not None:
-            self._ahead.append(row)
-        if not self._ahead:
+    def position(self, row: dict | None = None) -> dict[str, Any]:
+        """Where a resumed stage starts (rank 0's, which holds for every rank): the block of ``row`` (by
+        default the next row) and how far into it, in a stream with this one's end; or the next
+        execution's start."""
+        if row is None and not self._ahead and (peeked := next(self._rows, None)) is not None:
+            self._ahead.append(peeked)
+        row = row or (self._ahead[0] if self._ahead else None)
+        if row is None:
             return first_start(self.start["end"], self.epochs)
-        return {**self._ahead[0]["block"], "skip": self._ahead[0]["offset"], "end": self.start["end"]}
+        return {**row["block"], "skip": row["offset"], "end": self.start["end"]}
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``; to a GPU from pinned memory without blocking the host (the copy is
+    queued on the device's default stream, ahead of the step that reads it)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def shifted_batches(
@@ -178,19 +188,46 @@ def shifted_batches(
     batches' inputs are the rows' feature layers (a multi-layer draft's)."""
     for batch in pad_batches(rows, batch_tokens, hidden_size, layers):
         shifted = shift_batch(
-            batch["features"].to(device),
-            batch["input_ids"].to(device),
-            batch["loss_mask"].to(device),
-            batch["attention_mask"].to(device),
+            to_device(batch["features"], device),
+            to_device(batch["input_ids"], device),
+            to_device(batch["loss_mask"], device),
+            to_device(batch["attention_mask"], device),
             window,
-            batch["layer_features"].to(device) if layers else None,
+            to_device(batch["layer_features"], device) if layers else None,
         )
         yield shifted, list(batch["sample_ids"])
 
 
-def feed_batch(feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool) -> tuple[ShiftedBatch, list[str]]:
-    """The next micro-batch of ``feed``, padded and shifted, and its "<epoch>:<sample id>"s."""
-    rows = feed.take()
+def collate(rows: list[dict], hidden_size: int, device, window: LossWindow, layers: bool) -> ShiftedBatch:
+    """One micro-batch's rows padded, shifted and on ``device``."""
     longest = max(int(r["seq_len"]) for r in rows)
-    ((batch, _),) = shifted_batches(rows, len(rows) * longest, hidden_size, feed.device, window, layers)
-    return batch, [f"{r['epoch']}:{r['sample_id']}" for r in rows]
+    ((batch, _),) = shifted_batches(rows, len(rows) * longest, hidden_size, device, window, layers)
+    return batch
+
+
+class Prefetch:
+    """``feed``'s micro-batches, each collated (decoded, padded, shifted, copied to the device) on a
+    background thread while the one before it trains. Rows are taken on the training thread, one
+    micro-batch ahead: taking is a collective (the lockstep all-reduce), and every rank must issue its
+    collectives in the same order."""
+
+    def __init__(self, feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.feed, self.shape = feed, (hidden_size, window, layers)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="collate")
+        self._pending = self._ahead()
+
+    def _ahead(self):
+        rows = self.feed.take()
+        return rows, self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:])
+
+    def next(self) -> tuple[ShiftedBatch, list[str]]:
+        """The next micro-batch and its "<epoch>:<sample id>"s; the one after it starts collating."""
+        rows, batch = self._pending
+        self._pending = self._ahead()
+        return batch.result(), [f"{r['epoch']}:{r['sample_id']}" for r in rows]
+
+    def position(self) -> dict[str, Any]:
+        """Where a resumed stage starts: at the micro-batch taken ahead, which has not trained."""
+        return self.feed.position(self._pending[0][0])

@@ -37,7 +37,7 @@ from pipeline.config import RunConfig, StageSection, config_from_dict
 from pipeline.resources.targets import load_target_parts
 from pipeline.data.store import table_rows
 from pipeline.train import failures
-from pipeline.train.batches import ShardFeed, feed_batch, shifted_batches
+from pipeline.train.batches import Prefetch, ShardFeed, shifted_batches
 from pipeline.train.preemption import PreemptionWatch
 from pipeline.train.stream import first_start
 
@@ -95,7 +95,7 @@ def rng_state_name(rank: int) -> str:
     return f"rng_rank{rank}.pt"
 
 
-def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, feed: ShardFeed, rank, provenance) -> None:
+def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, batches: Prefetch, rank, provenance) -> None:
     """Rank 0 writes what every rank holds alike (DDP): the draft, optimizer and scheduler state, the
     step and the data position (ranks take rows in lockstep), with the world size it holds for. Every
     rank adds its own RNG state, with its weights' hash to show that the ranks agree."""
@@ -103,7 +103,8 @@ def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, feed: S
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
-        torch.save({**state, "stream": feed.position(), "world_size": feed.world}, directory / TRAIN_STATE)
+        stream = batches.position()
+        torch.save({**state, "stream": stream, "world_size": batches.feed.world}, directory / TRAIN_STATE)
     torch.save({"rng": torch.get_rng_state(), "weights_sha256": weights}, directory / rng_state_name(rank))
 
 
@@ -140,6 +141,20 @@ def _eval_set(draft, eval_rows: list[dict], cfg: RunConfig, target_head, bf16: b
         )
     ]
     return [(batch, teacher_ids(draft, batch, target_head, bf16)) for batch in batches]
+
+
+def ranks_mean(world: int):
+    """The mean of a count over the ``world`` ranks (one scalar all-reduce), or None on one rank: the
+    loss's denominator, so that every masked position of a step weighs the same on every rank."""
+    if world == 1:
+        return None
+
+    def mean(count: Tensor) -> Tensor:
+        total = count.detach().float().clone()
+        torch.distributed.all_reduce(total)
+        return total / world
+
+    return mean
 
 
 def _eval_rows(config: dict[str, Any]) -> list[dict]:
@@ -264,9 +279,9 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     at["checkpoint_step"] = step
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
     shard, epochs = ray.train.get_dataset_shard("train"), config["epochs_hint"]
-    feed = ShardFeed(
-        shard, rank, world, device, cfg.train, config["stream"], position or first_start(0, epochs), epochs
-    )
+    start = position or first_start(0, epochs)
+    feed = ShardFeed(shard, rank, world, device, cfg.train, config["stream"], start, epochs)
+    batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
@@ -274,11 +289,11 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     started, tokens_done, first_step = time.time(), 0.0, step
 
     while step < stage.steps:
-        micro, ids = zip(
-            *[feed_batch(feed, draft.cfg.hidden_size, method.loss_window, layers) for _ in range(method.grad_accum)]
-        )
+        micro, ids = zip(*[batches.next() for _ in range(method.grad_accum)])
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        metrics = train_step(model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head)
+        metrics = train_step(
+            model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head, ranks_mean(world)
+        )
         step += 1
         tokens_done += metrics["tokens"] * world
         _audit(Path(config["stage_dir"]), rank, step, ids, feed)
@@ -300,7 +315,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
         if do_ckpt:
             with tempfile.TemporaryDirectory() as tmp:
                 provenance = {**config["provenance"], "step": step, "metrics": report}
-                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, feed, rank, provenance)
+                _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, batches, rank, provenance)
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             at["checkpoint_step"] = step
         elif SCORE in report:

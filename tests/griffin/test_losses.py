@@ -357,3 +357,60 @@ def test_full_backprop_under_ddp_matches_one_process(tmp_path):
         )
     for name, param in draft.named_parameters():
         torch.testing.assert_close(ddp[name], param.grad / 2, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _ranks_step(drafts, halves, cfg, plan, shared: bool) -> list[torch.Tensor]:
+    """``token_alignable_step`` on two ranks (threads, one draft and one half of the rows each), the
+    mask counts exchanged as the all-reduce would (``shared``) or each rank's own; the ranks' mean
+    gradient, as DDP averages it."""
+    import threading
+
+    counts, barrier = [None, None], threading.Barrier(2)
+
+    def ranks_mean(rank):
+        def mean(count):
+            counts[rank] = count.detach().float()
+            barrier.wait()
+            total = counts[0] + counts[1]
+            barrier.wait()  # both have read the pair before the next pass overwrites it
+            return total / 2
+
+        return mean
+
+    def run(rank):
+        mean = ranks_mean(rank) if shared else None
+        token_alignable_step(drafts[rank], halves[rank], cfg, plan, ranks_mean=mean)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    grads = [[p.grad for p in draft.parameters() if p.requires_grad] for draft in drafts]
+    return [(a + b) / 2 for a, b in zip(*grads)]
+
+
+def test_two_ranks_step_as_one_rank_with_their_rows():
+    """Data-parallel normalisation (docs/method.md §3.1): one step on two ranks whose rows hold very
+    different numbers of trained positions (long and short prompts) gives, after DDP's average, the
+    gradient of one step on one rank holding all the rows, both passes and the alignment mask
+    included. Each rank dividing by its own count (GRIFFIN's and HASS's rule) does not."""
+    import copy
+
+    torch.manual_seed(0)
+    target = make_target("llama")
+    ids = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        feats = target.model(ids, output_hidden_states=True).hidden_states[-1]
+    mask = torch.ones(4, 24, dtype=torch.long)
+    mask[:2, :4], mask[2:, :18] = 0, 0  # rank 0's rows train on 19 positions each, rank 1's on 5
+    cfg, plan = TrainConfig(noise_scale=0.0, align_top_k=50), StagePlan.for_stage(2, "griffin", steps=1)
+    reference = GriffinDraft.for_target(target)
+    metrics = token_alignable_step(reference, shift_batch(feats, ids, mask), cfg, plan)
+    assert 0 < metrics["mask_kept_2"] < 1  # pass 2's mask is at work
+    expected = [p.grad for p in reference.parameters() if p.requires_grad]
+    halves = [shift_batch(feats[i : i + 2], ids[i : i + 2], mask[i : i + 2]) for i in (0, 2)]
+    for shared in (True, False):
+        drafts = [copy.deepcopy(reference) for _ in range(2)]
+        [draft.zero_grad() for draft in drafts]
+        got = _ranks_step(drafts, halves, cfg, plan, shared)
+        close = all(torch.allclose(g, e, rtol=1e-4, atol=1e-7) for g, e in zip(got, expected))
+        assert close == shared
