@@ -102,7 +102,7 @@ def pass_losses(
     mask: Tensor,
     topk_loss_k: int,
     feature_loss: bool = True,
-    ranks_mean: Callable[[Tensor], Tensor] | None = None,
+    count: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Feature (SmoothL1, beta 1; only with ``feature_loss``: without it R is not a regression of
     the target feature and the term means nothing), soft token cross-entropy, top-k losses and the
@@ -110,12 +110,9 @@ def pass_losses(
     probabilities p*_t over the draft vocabulary. ``alpha`` is mean_t sum_x min(p*_t(x), q_t(x)),
     the probability that speculative sampling accepts the draft's token at t.
 
-    Each term is a sum over the masked positions divided by their count. ``ranks_mean`` (data-parallel
-    training) turns this rank's count into the mean over the ranks: DDP then averages the ranks'
-    gradients, so every masked position of every rank weighs the same, however the ranks' counts
-    differ (docs/method.md §3)."""
-    count = mask.sum()
-    norm = (ranks_mean(count) if ranks_mean is not None else count) + 1e-5
+    Each term is a sum over the masked positions divided by ``count``, by default their own count
+    (data-parallel training passes the mean count over the ranks: ``token_alignable_step``)."""
+    norm = (mask.sum() if count is None else count) + 1e-5
     log_q = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (B, T, V)
     token = -(teacher * log_q).sum(-1)  # (B, T)
     top_p, top_idx = teacher.topk(topk_loss_k, dim=-1)  # (B, T, k)
@@ -202,8 +199,11 @@ def token_alignable_step(
     TTT backprop (``cfg.full_backprop``) each later pass reads the earlier passes' R with its graph
     and one backward runs over the summed, ``pass_weight_decay``-weighted pass losses; otherwise R is
     detached and every pass backpropagates on its own. ``target_head`` (V_target, D), the full LM
-    head, is needed only for ``cfg.skip_out_of_vocab``; ``ranks_mean``: see ``pass_losses``. Returns the
-    mean losses over passes plus per-pass values and the fraction of positions kept by the mask."""
+    head, is needed only for ``cfg.skip_out_of_vocab``. ``ranks_mean`` (data-parallel training) turns a
+    rank's count of masked positions into the mean over the ranks, the losses' denominator: DDP then
+    averages the ranks' gradients, so every masked position of every rank weighs the same, however the
+    ranks' counts differ (docs/method.md §3.1). Returns this rank's mean losses over passes plus
+    per-pass values and the fraction of positions kept by the mask."""
     draft = draft if draft is not None else model
     n_passes, full = plan.passes, cfg.full_backprop(plan)
     inputs = (
@@ -223,15 +223,19 @@ def token_alignable_step(
     metrics: dict[str, float] = {}
     for j in range(1, n_passes + 1):
         P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
-        parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss, ranks_mean)
+        count = mask.sum()
+        shared = ranks_mean(count) if ranks_mean is not None else count  # this pass's denominator
+        parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss, shared)
         loss = pass_loss(parts, cfg, plan)
         weighted = cfg.pass_weight_decay ** (j - 1) * loss / cfg.grad_accum
         if backward and full:
             total = total + weighted
         elif backward:
             weighted.backward()
-        for name, value in (("loss", loss), *parts.items()):
-            metrics[f"{name}_{j}"] = float(value.detach())
+        with torch.no_grad():  # reported per rank: this rank's own means
+            own = {name: value * (shared + 1e-5) / (count + 1e-5) for name, value in parts.items()}
+            for name, value in (("loss", pass_loss(own, cfg, plan)), *own.items()):
+                metrics[f"{name}_{j}"] = float(value)
         metrics[f"mask_kept_{j}"] = float(mask.sum() / base_count)
         if j == n_passes:
             break

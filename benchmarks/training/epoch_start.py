@@ -35,7 +35,7 @@ def read(parts, start: dict) -> tuple[list[tuple[float, int]], list[list[str]]]:
     from pipeline.train.stream import StreamStart, train_stream
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
-    ray.get(actor.set.remote(start))
+    ray.get(actor.set_stream_start.remote(start))
     splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
     arrivals: list[tuple[float, int]] = []
     seen: list[list[str]] = [[], []]

@@ -82,7 +82,7 @@ class ShardFeed:
     """This rank's training rows from the stage's stream (``pipeline.train.stream``), as lists of rows
     that fit ``batch_tokens``, the same number of rows on every rank (module docstring). ``start``:
     where the stream starts (``first_start``, or a checkpoint's ``position()``); ``stream_start``: the
-    stage's ``StreamStart`` actor, which rank 0 tells before the ranks read."""
+    stage's ``StreamStart`` actor (its ``StageChannel``), which rank 0 tells before the ranks read."""
 
     def __init__(self, shard, rank: int, world: int, device, train: TrainSection, stream_start, start, epochs: int):
         self.shard, self.rank, self.world, self.device = shard, rank, world, device
@@ -97,7 +97,7 @@ class ShardFeed:
         import ray
 
         if self.rank == 0:
-            ray.get(self.stream_start.set.remote(start))
+            ray.get(self.stream_start.set_stream_start.remote(start))
         if self.world > 1:
             torch.distributed.barrier()
         self.start, self.taken, self._ahead = start, 0, []

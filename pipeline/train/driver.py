@@ -45,11 +45,11 @@ from pipeline.train.feed import (
     stored_eval,
     stored_parts,
 )
-from pipeline.train.stream import StreamStart, epochs_hint, train_stream
+from pipeline.train.stream import epochs_hint, train_stream
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.identity import target_fingerprint, target_identity
 from pipeline.resources.targets import draft_feature_layers
-from pipeline.train.worker import SCORE, TRAIN_STATE, StageProgress, train_worker
+from pipeline.train.worker import SCORE, TRAIN_STATE, StageChannel, train_worker
 from pipeline.data.heldout import held_out_ids, store_part_ids
 from pipeline.train.batches import reduced_vocabulary, store_tokens
 
@@ -68,14 +68,14 @@ def stage_plan(cfg: RunConfig, stage: StageSection) -> StagePlan:
 
 @contextmanager
 def _console_progress(stage: StageSection, stages: list[int]) -> Iterator[tuple[Progress, Any]]:
-    """While ``fit`` runs: the stage's console line, fed by the ``StageProgress`` actor that rank 0
+    """While ``fit`` runs: the stage's console line, fed by the ``StageChannel`` actor that rank 0
     pushes each step to; yields (the line, the actor handle for the workers).
     "stage 2/3" for a schedule of stages 1..3; "stage 3" for a schedule that is not (a fine-tune)."""
     import ray
 
     of = f"/{len(stages)}" if stages == list(range(1, len(stages) + 1)) else ""
     progress = Progress(f"train stage {stage.stage}{of}", stage.steps, "steps")
-    channel = ray.remote(num_cpus=0)(StageProgress).remote()
+    channel = ray.remote(num_cpus=0)(StageChannel).remote()
     stop = threading.Event()
 
     def watch() -> None:
@@ -156,8 +156,6 @@ def check_resume_world_size(cfg: RunConfig, stage: StageSection) -> None:
 
 
 def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, context: dict[str, Any]) -> Path:
-    import ray
-
     out = stage_dir(cfg, stage.stage)
     out.mkdir(parents=True, exist_ok=True)
     mlflow = setup_mlflow(cfg)
@@ -203,12 +201,8 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
     ):
         failures.clear(out)
         check_resume_world_size(cfg, stage)
-        start = ray.remote(num_cpus=0)(StreamStart).remote()
-        try:
-            datasets = _stage_datasets(cfg, context["inputs"], start)
-            result = _trainer(cfg, stage, {**loop_config, "progress": channel, "stream": start}, datasets).fit()
-        finally:
-            ray.kill(start)
+        datasets = _stage_datasets(cfg, context["inputs"], channel)
+        result = _trainer(cfg, stage, {**loop_config, "channel": channel}, datasets).fit()
         if given_up := failures.exhausted(out, cfg.train.max_same_failures):
             raise RuntimeError(
                 f"train stage {stage.stage} stopped after the same failure {given_up['count']} times in a row "
@@ -340,21 +334,25 @@ def _online_data(cfg: RunConfig, target) -> dict[str, Any]:
 
 def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[str, Any]:
     """The stages' training parts and held-out dataset, materialized when ``train.materialize`` says so
-    (``pipeline.train.feed``): built when the first stage to run starts, so that a rerun whose stages
+    (``pipeline.train.feed``), the online held-out rows always (their target actors then start once a
+    run, not once a stage): built when the first stage to run starts, so that a rerun whose stages
     are all complete reads nothing."""
     if cfg.train.features == "online":  # never workers waiting on feature actors that cannot start
         check_online_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
     parts, held_out = data["inputs"](eval_ids)
+    if held_out is not None and cfg.train.features == "online":  # featurized once, not by a pool per stage
+        held_out = materialize(held_out)
     inputs = {"parts": parts, "eval": held_out, "rows": len(data["sample_ids"]) - len(eval_ids)}
     inputs["mean_length"] = data["mean_length"]
     if not should_materialize(cfg.train.materialize, data["bytes"]):
         return inputs
     logger.info("train: materializing the train and held-out rows (~%.1f MB) for every epoch", data["bytes"] / 1e6)
-    return inputs | {"parts": materialized_parts(parts), "eval": held_out and materialize(held_out)}
+    held = held_out if held_out is None or cfg.train.features == "online" else materialize(held_out)
+    return inputs | {"parts": materialized_parts(parts), "eval": held}
 
 
 def _stage_datasets(cfg: RunConfig, inputs: dict[str, Any], start) -> dict[str, Any]:
-    """The stage's ``train`` stream (its executions start where ``start``, a ``StreamStart`` actor, says)
+    """The stage's ``train`` stream (its executions start where ``start``, the stage's ``StageChannel``, says)
     and the held-out dataset."""
     train = train_stream(inputs["parts"], cfg.train.seed, start)
     return {"train": train, **({"eval": inputs["eval"]} if inputs["eval"] is not None else {})}

@@ -53,15 +53,16 @@ def epochs_hint(steps: int, micro_batches: int, world: int, batch_tokens: int, r
 
 class StreamStart:
     """Where the stage's next stream execution starts: set by rank 0 before the ranks read, read by the
-    task that makes the read items. Run as a Ray actor with no CPU of its own."""
+    task that makes the read items. Run as a Ray actor with no CPU of its own (training runs it as part
+    of the stage's ``pipeline.train.worker.StageChannel``)."""
 
     def __init__(self) -> None:
         self.start: dict[str, Any] | None = None
 
-    def set(self, start: dict[str, Any]) -> None:
+    def set_stream_start(self, start: dict[str, Any]) -> None:
         self.start = dict(start)
 
-    def get(self) -> dict[str, Any] | None:
+    def stream_start(self) -> dict[str, Any] | None:
         return self.start
 
 
@@ -70,7 +71,7 @@ def stream_items(_: dict, count: int, seed: int, start: Any) -> list[dict[str, i
     each part of each epoch in that epoch's order, the first one from its start row."""
     import ray
 
-    at = ray.get(start.get.remote())
+    at = ray.get(start.stream_start.remote())
     items = []
     for epoch in range(at["epoch"], at["end"]):
         order = epoch_order(count, seed, epoch)

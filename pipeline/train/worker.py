@@ -3,7 +3,7 @@ resumes via ``ray.train.get_checkpoint()``, reads its shard of the stage's datas
 (``pipeline.train.batches.ShardFeed``), steps with ``griffin.training.train_step``, evaluates the
 held-out score, and reports through ``ray.train.report``. Rank 0 writes the checkpoint's draft,
 optimizer, scheduler and data position (identical on every rank under DDP); the other ranks add only
-their RNG state. Rank 0 also logs to MLflow and pushes each step to the driver's ``StageProgress``
+their RNG state. Rank 0 also logs to MLflow and pushes each step to the driver's ``StageChannel``
 actor, which feeds the console line.
 """
 
@@ -39,16 +39,18 @@ from pipeline.data.store import table_rows
 from pipeline.train import failures
 from pipeline.train.batches import Prefetch, ShardFeed, shifted_batches
 from pipeline.train.preemption import PreemptionWatch
-from pipeline.train.stream import first_start
+from pipeline.train.stream import StreamStart, first_start
 
 SCORE = "eval/sim_accept_len"
 
 
-class StageProgress:
-    """Where a running stage is: rank 0 pushes each step (fire and forget), the driver reads the latest
-    for its console line. Run as a Ray actor with no CPU of its own (``ray.remote(num_cpus=0)``)."""
+class StageChannel(StreamStart):
+    """What the driver and the ranks of a running stage share, as one Ray actor with no CPU of its own
+    (``ray.remote(num_cpus=0)``): where the stage's stream starts (``StreamStart``), and where the stage
+    is: rank 0 pushes each step (fire and forget), the driver reads the latest for its console line."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.state: dict[str, Any] = {}
 
     def update(self, step: int, loss: float, score: float | None) -> None:
@@ -203,7 +205,7 @@ def _report_rank0(
     rate: float,
     eta: float,
 ) -> None:
-    """Rank 0's step report: a log line, the driver's console line (``StageProgress``) and MLflow."""
+    """Rank 0's step report: a log line, the driver's console line (``StageChannel``) and MLflow."""
     from mlflow.entities import Metric
 
     score = f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""
@@ -213,7 +215,7 @@ def _report_rank0(
         + score,
         flush=True,
     )
-    config["progress"].update.remote(step, loss, report.get(SCORE))
+    config["channel"].update.remote(step, loss, report.get(SCORE))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, step) for k, v in report.items()]
     client.log_batch(config["mlflow_run_id"], metrics=metrics, synchronous=False)  # off the step's critical path
@@ -280,7 +282,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
     shard, epochs = ray.train.get_dataset_shard("train"), config["epochs_hint"]
     start = position or first_start(0, epochs)
-    feed = ShardFeed(shard, rank, world, device, cfg.train, config["stream"], start, epochs)
+    feed = ShardFeed(shard, rank, world, device, cfg.train, config["channel"], start, epochs)
     batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)

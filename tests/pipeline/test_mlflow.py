@@ -126,7 +126,7 @@ def test_worker_logging_recipe(tmp_path, monkeypatch):
     it on each attempt, into the run the driver holds RUNNING: ``_rank0_tracking`` gives rank 0 a client
     on ``cfg.tracking_uri`` (not the worker's own default URI, pointed elsewhere here) and other ranks
     none; each ``_report_rank0`` lands every metric of its report at its step, and the step, loss and
-    latest score reach the driver's ``StageProgress``; leaving ``_rank0_tracking`` flushes MLflow's
+    latest score reach the driver's ``StageChannel``; leaving ``_rank0_tracking`` flushes MLflow's
     async queue for that store (observed; the metrics are read back with no flush of the test's own);
     system metrics land as ``system/rank0/*``, a restarted attempt's after the first's (resume_logging);
     then the driver's ``_log_curves`` logs ``curves.png`` from those histories. Not here: the stage run's
@@ -135,7 +135,7 @@ def test_worker_logging_recipe(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from pipeline.train.driver import _log_curves
-    from pipeline.train.worker import SCORE, StageProgress, _rank0_tracking, _report_rank0
+    from pipeline.train.worker import SCORE, StageChannel, _rank0_tracking, _report_rank0
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")  # the worker's 10 s, shortened
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])
@@ -143,14 +143,14 @@ def test_worker_logging_recipe(tmp_path, monkeypatch):
     mlflow = runtime.setup_mlflow(cfg)
     flushes, flush = [], mlflow.flush_async_logging  # each flush runs, recording the store it flushes
     monkeypatch.setattr(mlflow, "flush_async_logging", lambda: (flushes.append(mlflow.get_tracking_uri()), flush())[1])
-    progress = StageProgress()  # the driver's actor, called in-process: `.update.remote(...)` is its method
+    progress = StageChannel()  # the driver's actor, called in-process: `.update.remote(...)` is its method
     reports = {step: {"train/loss": 1.0 / step, "train/tokens": 100.0 * step} for step in range(1, stage.steps + 1)}
     for step in (2, 4, 6):
         reports[step].update({SCORE: 1.0 + step / 10, "eval/acc_0": step / 10})
     elsewhere = tmp_path / "worker-default.db"  # where a worker's own environment would point MLflow
     with mlflow.start_run(run_name="tiny-stage1", log_system_metrics=False) as run:  # the driver's, RUNNING
         run_id = run.info.run_id
-        config = {"mlflow_run_id": run_id, "progress": SimpleNamespace(update=SimpleNamespace(remote=progress.update))}
+        config = {"mlflow_run_id": run_id, "channel": SimpleNamespace(update=SimpleNamespace(remote=progress.update))}
         with _rank0_tracking(cfg, run_id, rank=1) as client:
             assert client is None  # other ranks log nothing
         for attempt in ((1, 2, 3, 4), (5, 6)):  # the second: a worker restarted from the step-4 checkpoint

@@ -283,7 +283,7 @@ def stream_ids(parts, start: dict, world: int = 2) -> list[list[tuple[int, str]]
     from pipeline.train.stream import StreamStart, train_stream
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
-    ray.get(actor.set.remote(start))
+    ray.get(actor.set_stream_start.remote(start))
     splits = data_config().configure({"train": train_stream(parts, 0, actor)}, world, None, None)
     seen: list[list[tuple[int, str]]] = [[] for _ in range(world)]
 
@@ -351,7 +351,7 @@ def places_of_rank0_blocks(parts, start: dict) -> list[dict]:
     from pipeline.train.stream import POSITION, StreamStart, train_stream
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
-    ray.get(actor.set.remote(start))
+    ray.get(actor.set_stream_start.remote(start))
     splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
     places: list[dict] = []
 
@@ -381,7 +381,7 @@ def test_held_out_rows_are_read_from_their_own_parts(store):
     parts = store_part_ids(store_path)
     ids = [i for part in parts.values() for i in part]
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
-    ray.get(actor.set.remote(first_start(0, 1)))
+    ray.get(actor.set_stream_start.remote(first_start(0, 1)))
     for fraction, pure in ((0.2, True), (0.3, False)):
         eval_ids = held_out_ids(ids, fraction)
         held, train = heldout_parts(parts, eval_ids)
