@@ -320,6 +320,32 @@ def test_the_stream_deals_every_training_row_once_an_epoch_in_a_new_order(store)
     assert stream_ids(materialized_parts(parts), first_start(0, 2)) == ranks
 
 
+def test_a_part_is_shuffled_whole_however_large(store, monkeypatch):
+    """Ray Data cuts a task's output into blocks of ``target_max_block_size`` (128 MB by default; a part
+    holds up to 256 MB): the stream keeps each part one block until it is shuffled, so a part's rows
+    are numbered 0..n-1 once, in one order, even when the blocks would be a few rows."""
+    import ray
+
+    from pipeline.data.heldout import store_part_ids
+    from pipeline.data.store import read_manifest
+    from pipeline.train.feed import stored_parts
+    from pipeline.train.stream import StreamStart, first_start, train_stream
+
+    _, _, store_path = store
+    part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "target_max_block_size", 4096)  # a row or two
+    actor = ray.remote(num_cpus=0)(StreamStart).remote()
+    ray.get(actor.set_stream_start.remote(first_start(0, 1)))
+    rows = list(train_stream(stored_parts(part_ids, dtype, False, set()), 0, actor).iter_rows())
+    numbered: dict[int, list[int]] = {}
+    for row in rows:
+        numbered.setdefault(row["part"], []).append(row["row"])
+    assert {part: sorted(n) for part, n in numbered.items()} == {
+        p: list(range(len(ids))) for p, ids in enumerate(part_ids.values())
+    }
+    ray.kill(actor)
+
+
 def test_a_stream_started_at_a_block_deals_every_rank_what_it_would_have_read(store):
     """The resume rule: started at the first row of a block of rank 0 (the place its rows carry), the
     stream gives each rank exactly the rows it had from that block on, in the same order, the epoch's
