@@ -126,23 +126,32 @@ def pass_losses(
     return {name: (x * mask).sum() / norm for name, x in terms.items()}
 
 
-def token_term(parts: dict[str, Tensor], cfg: TrainConfig) -> Tensor:
+def token_term(parts: dict[str, Tensor], cfg: TrainConfig, alpha_all: Tensor | None = None) -> Tensor:
     """The pass's token objective (``cfg.token_loss``) from ``pass_losses``' scalars. LK-hybrid's
     weight w = scale * exp(-decay * alpha) is a schedule, not a path for gradients: alpha is detached
-    there, so KL dominates while acceptance is low and the acceptance term takes over as it rises."""
+    there, so KL dominates while acceptance is low and the acceptance term takes over as it rises.
+
+    ``alpha_all`` (data-parallel training, detached): the acceptance rate over every rank's positions,
+    when the ranks share the denominator (``token_alignable_step``). LK-hybrid's weight is then the
+    same on every rank, and LK's loss is -alpha / alpha_all, whose gradient averaged over the ranks is
+    that of -log alpha_all (-log alpha's would divide each rank's gradient by its own alpha)."""
     if cfg.token_loss == "kl":
         return parts["token"]
     alpha = parts["alpha"]
     if cfg.token_loss == "lk":
+        if alpha_all is not None:
+            return -alpha / alpha_all.clamp(min=1e-6)
         return -torch.log(alpha.clamp(min=1e-6))
-    w = cfg.lk_kl_scale * torch.exp(-cfg.lk_kl_decay * alpha.detach())
+    rate = (alpha if alpha_all is None else alpha_all).detach()
+    w = cfg.lk_kl_scale * torch.exp(-cfg.lk_kl_decay * rate)
     return w * parts["token"] + (1 - w) * (1 - alpha)
 
 
-def pass_loss(parts: dict[str, Tensor], cfg: TrainConfig, plan: StagePlan) -> Tensor:
+def pass_loss(parts: dict[str, Tensor], cfg: TrainConfig, plan: StagePlan, alpha_all: Tensor | None = None) -> Tensor:
     """One pass's loss: feature + weighted token term (EAGLE / GRIFFIN / HASS), or the token term
-    alone without a feature loss (EAGLE-3, GRIFFIN-3); plus HASS's top-k term where the plan has it."""
-    token = token_term(parts, cfg)
+    alone without a feature loss (EAGLE-3, GRIFFIN-3); plus HASS's top-k term where the plan has it.
+    ``alpha_all``: see ``token_term``."""
+    token = token_term(parts, cfg, alpha_all)
     loss = cfg.value_weight * parts["value"] + cfg.token_weight * token if plan.feature_loss else token
     return loss + cfg.topk_weight * parts["topk"] if plan.topk_loss else loss
 
@@ -226,7 +235,9 @@ def token_alignable_step(
         count = mask.sum()
         shared = ranks_mean(count) if ranks_mean is not None else count  # this pass's denominator
         parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss, shared)
-        loss = pass_loss(parts, cfg, plan)
+        # every rank's acceptance rate: the mean of the ranks' alphas, all over the one denominator
+        alpha_all = ranks_mean(parts["alpha"].detach()) if ranks_mean and cfg.token_loss != "kl" else None
+        loss = pass_loss(parts, cfg, plan, alpha_all)
         weighted = cfg.pass_weight_decay ** (j - 1) * loss / cfg.grad_accum
         if backward and full:
             total = total + weighted

@@ -2,12 +2,14 @@
 
 The tiny target, ``train.features: online`` (the target actors featurize each part as training reads
 it; ``train.materialize: false``, so the stream runs its actors for the whole stage), 2 workers, 1
-feature actor, a stage long enough to read more than one epoch, a checkpoint every 4 steps. Run twice
-on a local Ray: once undisturbed, once with a training worker killed (SIGKILL, no notice) after step 6,
-which Ray Train restarts (``train.max_failures``). Counted from the Ray state API and the stages' own
-audit files:
+feature actor, a first stage long enough to read more than one epoch, a checkpoint every 4 steps. Run
+twice on a local Ray: two stages undisturbed, then one stage with a training worker killed (SIGKILL, no
+notice) after step 10, which Ray Train restarts (``train.max_failures``). Ray Train polls reports every
+0.25 s here (2 s by default; a checkpoint counts once polled, and these steps take ~0.2 s). Counted
+from the Ray state API and the stages' own audit files:
 
-- target loads: the feature actors (``PartFeatures``, each loads the target) started for the stage;
+- target loads: the feature actors (``PartFeatures``, each loads the target) started: the held-out
+  rows' pool once a run (they are featurized once and held), and the stream's pool once a stage;
 - epochs read, from the "<epoch>:<sample id>"s each step trained on;
 - steps lost to the kill: steps trained again after the restart (the audit logs every attempt);
 - rows featurized again by the resume: the rows of the part the stream resumes in that come before its
@@ -31,10 +33,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-KILL_AFTER_STEP = 6
+KILL_AFTER_STEP = 10
+POLL_S = (
+    "0.25"  # Ray Train's report poll (2 s by default): a checkpoint counts once polled, and these steps take ~0.2 s
+)
 
 
-def stage_config(out: Path, name: str):
+def stage_config(out: Path, name: str, schedule: str = "[{stage: 1, steps: 16, lr: 0.002}]"):
     from pipeline.config import load_config
 
     return load_config(
@@ -49,33 +54,36 @@ def stage_config(out: Path, name: str):
             "features.num_actors=1",
             "train.batch_tokens=256",
             "train.checkpoint_every=4",
+            "train.num_to_keep=10",  # every checkpoint stays: the one a restart resumed from is read back
             "train.eval_every=4",
             "train.max_failures=2",
             "train.method.warmup_steps=0",
-            "train.schedule=[{stage: 1, steps: 16, lr: 0.002}]",
+            f"train.schedule={schedule}",
         ],
     )
 
 
-def feature_actors() -> set[str]:
+def actors(**kwargs) -> list:
+    """Every actor of this process's Ray, dead ones too (the State API of its own GCS)."""
+    import ray
     from ray.util.state import list_actors
 
-    return {
-        a.actor_id for a in list_actors(limit=10_000, raise_on_missing_output=False) if "PartFeatures" in a.class_name
-    }
+    return list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000, **kwargs)
+
+
+def feature_actors() -> set[str]:
+    return {a.actor_id for a in actors(raise_on_missing_output=False) if "PartFeatures" in a.class_name}
 
 
 def kill_a_worker_after(audit: Path, step: int, stop: threading.Event) -> dict:
     """Watch rank 0's audit; once it logs ``step``, SIGKILL the rank-1 training worker's process."""
-    from ray.util.state import list_actors
-
     killed: dict = {}
 
     def watch() -> None:
         while not stop.is_set():
             steps = [json.loads(line)["step"] for line in audit.read_text().splitlines()] if audit.exists() else []
             if steps and steps[-1] >= step:
-                workers = [a for a in list_actors(detail=True, limit=10_000) if "RayTrainWorker" in a.class_name]
+                workers = [a for a in actors(detail=True) if "RayTrainWorker" in a.class_name]
                 alive = sorted((a for a in workers if a.state == "ALIVE"), key=lambda a: a.pid)
                 os.kill(alive[-1].pid, signal.SIGKILL)
                 killed.update({"after_step": steps[-1], "pid": alive[-1].pid})
@@ -86,28 +94,34 @@ def kill_a_worker_after(audit: Path, step: int, stop: threading.Event) -> dict:
     return killed
 
 
-def audit_steps(cfg) -> tuple[list[int], list[set[int]]]:
+def audit_steps(cfg, stage: int) -> tuple[list[int], list[set[int]]]:
     """Rank 0's logged steps (every attempt's) and the epochs each step trained on."""
     from pipeline.train.driver import stage_dir
 
-    records = [json.loads(line) for line in (stage_dir(cfg, 1) / "data_rank0.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (stage_dir(cfg, stage) / "data_rank0.jsonl").read_text().splitlines()]
     return [r["step"] for r in records], [{int(s.split(":")[0]) for s in r["sample_ids"]} for r in records]
 
 
-def resume_recomputed(cfg) -> dict:
-    """Where the killed stage resumed (its checkpoint before the kill) and the rows it featurized or
-    read again: the resume part's rows before the resume row, and the skipped rows of each rank."""
+def resume_recomputed(cfg, steps: list[int]) -> dict:
+    """Where the killed stage resumed (the checkpoint at the step before the restarted attempt's first)
+    and the rows it featurized or read again: the resume part's rows before the resume row, and the
+    skipped rows of each rank."""
     import torch
 
     from pipeline.train.worker import TRAIN_STATE
 
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    from_step = steps[restart] - 1
+    if from_step == 0:
+        return {"from_step": 0, "rows_again": None, "why": "no checkpoint had reached Ray Train: started over"}
     run = cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage1"
-    saved = sorted(p for p in run.glob("checkpoint_*") if (p / TRAIN_STATE).exists())
-    states = [torch.load(p / TRAIN_STATE, weights_only=True) for p in saved]
-    resumed = max((s for s in states if s["step"] <= KILL_AFTER_STEP), key=lambda s: s["step"])
+    saved = [
+        torch.load(p / TRAIN_STATE, weights_only=True) for p in run.glob("checkpoint_*") if (p / TRAIN_STATE).exists()
+    ]
+    resumed = next(s for s in saved if s["step"] == from_step)
     at = resumed["stream"]
     return {
-        "from_step": resumed["step"],
+        "from_step": from_step,
         "position": at,
         "rows_before_resume_row": at["row"],
         "rows_skipped_per_rank": at["skip"],
@@ -115,10 +129,10 @@ def resume_recomputed(cfg) -> dict:
     }
 
 
-def run_stage(out: Path, name: str, kill: bool) -> dict:
+def run_stages(out: Path, name: str, kill: bool, schedule: str) -> dict:
     from pipeline.train.driver import run_train, stage_dir
 
-    cfg = stage_config(out, name)
+    cfg = stage_config(out, name, schedule)
     before = feature_actors()
     stop, started = threading.Event(), time.perf_counter()
     killed = kill_a_worker_after(stage_dir(cfg, 1) / "data_rank0.jsonl", KILL_AFTER_STEP, stop) if kill else {}
@@ -126,18 +140,18 @@ def run_stage(out: Path, name: str, kill: bool) -> dict:
         run_train(cfg)
     finally:
         stop.set()
-    steps, epochs = audit_steps(cfg)
-    replayed = len(steps) - len(set(steps))
+    steps, epochs = audit_steps(cfg, 1)
     result = {
         "seconds": round(time.perf_counter() - started, 1),
+        "stages": len(cfg.train.schedule),
         "target_loads": len(feature_actors() - before),
         "pool_size": cfg.features.num_actors,
-        "epochs_read": sorted(set().union(*epochs)),
-        "steps_logged": steps,
-        "steps_lost": replayed,
+        "stage1_epochs_read": sorted(set().union(*epochs)),
+        "stage1_steps_logged": steps,
+        "steps_lost": len(steps) - len(set(steps)),
         "checkpoint_every": cfg.train.checkpoint_every,
     }
-    return result | ({"killed": killed, "resume": resume_recomputed(cfg)} if kill else {})
+    return result | ({"killed": killed, "resume": resume_recomputed(cfg, steps)} if kill else {})
 
 
 def main() -> None:
@@ -150,12 +164,15 @@ def main() -> None:
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = POLL_S
     ensure_ray(stage_config(out, "setup"))
+    two = "[{stage: 1, steps: 16, lr: 0.002}, {stage: 2, steps: 4, lr: 0.002}]"
     result = {
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/scale_out/stage_restarts.py",
-        "undisturbed": run_stage(out, "undisturbed", kill=False),
-        "worker_killed": run_stage(out, "killed", kill=True),
+        "ray_train_poll_s": float(POLL_S),
+        "undisturbed": run_stages(out, "undisturbed", kill=False, schedule=two),
+        "worker_killed": run_stages(out, "killed", kill=True, schedule="[{stage: 1, steps: 16, lr: 0.002}]"),
     }
     (HERE / "stage_restarts.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -153,18 +153,18 @@ def run_part_actors(
 
 def part_actor_dataset(cfg: RunConfig, actor: type, parts: list[dict] | Any, constructor_kwargs: dict[str, Any]):
     """``parts`` (packed parts, or a dataset of them) through a pool of ``features.num_actors``
-    ``actor``s with featurize's resources, one block and one actor call per part (so finished parts
-    stream back one by one, and a part is a block of its own wherever the result goes)."""
+    ``actor``s with featurize's resources, one actor call per part (so finished parts stream back one
+    by one; a part stays one block where the dataset's ``target_max_block_size`` is None)."""
     import ray
 
     # Start every actor before handing out parts: otherwise the first actor up (a target load takes
     # seconds) drains a short queue alone and the rest of the pool idles. Fails clearly, instead of
     # hanging, when the cluster cannot place the pool (featurize, regenerate, online training alike).
-    ray.data.DataContext.get_current().wait_for_min_actors_s = ACTOR_START_S
     if isinstance(parts, list):
         size, parts = len(parts), ray.data.from_items(parts, override_num_blocks=len(parts))
     else:
         size = cfg.features.num_actors  # a stream of parts: as many as it reads
+    parts.context.wait_for_min_actors_s = ACTOR_START_S  # the context this dataset runs with
     return parts.map_batches(
         actor,
         batch_size=1,

@@ -71,6 +71,8 @@ def shard_rows(shard, feed: "ShardFeed") -> Iterator[dict]:
     with its ``epoch``, the place of its block's first row (``block``) and its ``offset`` in the block;
     ``feed.received`` counts each block as it arrives."""
     for table in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+        if not table.num_rows:
+            continue
         epochs = table["epoch"].to_numpy()
         feed.received(epochs, table.nbytes)
         block = {key: int(table[key][0].as_py()) for key in POSITION}
@@ -211,14 +213,20 @@ class Prefetch:
     micro-batch ahead: taking is a collective (the lockstep all-reduce), and every rank must issue its
     collectives in the same order."""
 
-    def __init__(self, feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool):
+    def __init__(self, feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool, count: int):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.feed, self.shape = feed, (hidden_size, window, layers)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="collate")
+        self.feed, self.shape, self.left = feed, (hidden_size, window, layers), count  # micro-batches to come
+        cuda = torch.device(feed.device).type == "cuda"  # the thread's pinned copies go to this rank's GPU
+        setup = {"initializer": torch.cuda.set_device, "initargs": (feed.device,)} if cuda else {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="collate", **setup)
         self._pending = self._ahead()
 
     def _ahead(self):
+        """The next micro-batch's rows and its collation under way; None past the stage's last."""
+        if self.left == 0:
+            return None
+        self.left -= 1
         rows = self.feed.take()
         return rows, self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:])
 
@@ -230,4 +238,7 @@ class Prefetch:
 
     def position(self) -> dict[str, Any]:
         """Where a resumed stage starts: at the micro-batch taken ahead, which has not trained."""
-        return self.feed.position(self._pending[0][0])
+        return self.feed.position(self._pending[0][0] if self._pending else None)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -217,8 +217,8 @@ def should_materialize(setting: bool | str, size: int) -> bool:
 
 def materialize(dataset):
     """``dataset`` run once, in order, its blocks held in the object store for as long as the returned
-    dataset lives (one block per bundle, as the stream delivers them: the split assigns rows to ranks
-    as it would from the stream)."""
+    dataset lives (one block per bundle, as it would deliver them: the held-out rows reach the ranks
+    as they would from the dataset itself)."""
     dataset.context.execution_options.preserve_order = True
     return dataset.materialize()
 

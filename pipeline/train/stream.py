@@ -72,6 +72,8 @@ def stream_items(_: dict, count: int, seed: int, start: Any) -> list[dict[str, i
     import ray
 
     at = ray.get(start.stream_start.remote())
+    if at is None:  # rank 0 sets it before any rank reads (pipeline.train.batches.ShardFeed)
+        raise RuntimeError("the training stream ran before rank 0 said where it starts")
     items = []
     for epoch in range(at["epoch"], at["end"]):
         order = epoch_order(count, seed, epoch)

@@ -283,7 +283,8 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     shard, epochs = ray.train.get_dataset_shard("train"), config["epochs_hint"]
     start = position or first_start(0, epochs)
     feed = ShardFeed(shard, rank, world, device, cfg.train, config["channel"], start, epochs)
-    batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers)
+    micro_batches = (stage.steps - step) * method.grad_accum
+    batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers, micro_batches)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
@@ -322,3 +323,4 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
             at["checkpoint_step"] = step
         elif SCORE in report:
             ray.train.report(report)
+    batches.close()  # on a failure the worker's process goes, and its thread with it

@@ -388,11 +388,15 @@ def _ranks_step(drafts, halves, cfg, plan, shared: bool) -> list[torch.Tensor]:
     return [(a + b) / 2 for a, b in zip(*grads)]
 
 
-def test_two_ranks_step_as_one_rank_with_their_rows():
+@pytest.mark.parametrize(
+    "token_loss,backprop", [("kl", "per_pass"), ("kl", "full"), ("lk", "per_pass"), ("lk_hybrid", "full")]
+)
+def test_two_ranks_step_as_one_rank_with_their_rows(token_loss, backprop):
     """Data-parallel normalisation (docs/method.md §3.1): one step on two ranks whose rows hold very
     different numbers of trained positions (long and short prompts) gives, after DDP's average, the
     gradient of one step on one rank holding all the rows, both passes and the alignment mask
-    included. Each rank dividing by its own count (GRIFFIN's and HASS's rule) does not."""
+    included, for every token loss and both backprop rules. Each rank dividing by its own count
+    (GRIFFIN's and HASS's rule) does not."""
     import copy
 
     torch.manual_seed(0)
@@ -402,7 +406,8 @@ def test_two_ranks_step_as_one_rank_with_their_rows():
         feats = target.model(ids, output_hidden_states=True).hidden_states[-1]
     mask = torch.ones(4, 24, dtype=torch.long)
     mask[:2, :4], mask[2:, :18] = 0, 0  # rank 0's rows train on 19 positions each, rank 1's on 5
-    cfg, plan = TrainConfig(noise_scale=0.0, align_top_k=50), StagePlan.for_stage(2, "griffin", steps=1)
+    cfg = TrainConfig(noise_scale=0.0, align_top_k=50, token_loss=token_loss, ttt_backprop=backprop)
+    plan = StagePlan.for_stage(2, "griffin", steps=1)
     reference = GriffinDraft.for_target(target)
     metrics = token_alignable_step(reference, shift_batch(feats, ids, mask), cfg, plan)
     assert 0 < metrics["mask_kept_2"] < 1  # pass 2's mask is at work
