@@ -25,7 +25,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIG = "jobs/configs/smollm2-quick.yaml"
-KILL_STEP = 10  # stage_restarts.py's
 
 
 def measure(repeats: int) -> dict:
@@ -148,6 +147,8 @@ def stage_measures() -> dict:
         "online_epochs_read": clean["stage1_epochs_read"],
         "online_target_loads_with_a_killed_worker": killed["target_loads"],
         "steps_lost_on_kill": killed["steps_lost"],
+        "killed_after_step": killed["killed"]["after_step"],
+        "resumed_from_step": killed["resume"]["from_step"],
         "checkpoint_every": killed["checkpoint_every"],
         "resume": killed["resume"],
         "dates": {"epoch_start": epochs.get("date"), "stage_restarts": stages["date"]},
@@ -220,9 +221,11 @@ def write(result: dict) -> None:
         f"equal, **{'met' if stage['online_target_loads_per_stage'] == stage['pool_size'] else 'missed'}**). "
         "Before, every epoch and every stage started the pools again. With a worker killed, the restart starts "
         f"a new execution: {stage['online_target_loads_with_a_killed_worker']} in all for one stage.",
-        f"- A training worker SIGKILLed after step {KILL_STEP}: **{stage['steps_lost_on_kill']} steps** trained again "
-        f"(`train.checkpoint_every` {stage['checkpoint_every']}: the steps since the last checkpoint Ray Train had "
-        "taken in; with a preemption notice a checkpoint is saved at once, tests/pipeline/test_train.py).",
+        f"- A training worker SIGKILLed after step {stage['killed_after_step']}: the restart resumed from step "
+        f"{stage['resumed_from_step']}, **{stage['steps_lost_on_kill']} steps** trained again (`train.checkpoint_every` "
+        f"{stage['checkpoint_every']}: the steps since the last checkpoint Ray Train had taken in; it polls reports, "
+        "and a checkpoint saved moments before the kill may not count yet; with a preemption notice a checkpoint "
+        "is saved at once, tests/pipeline/test_train.py).",
         f"- Its resume started the stream at {stage['resume']['position']}: "
         f"{stage['resume']['rows_again']} rows featurized again (the resume part's "
         f"{stage['resume']['rows_before_resume_row']} rows before its row, and "
