@@ -367,6 +367,48 @@ def test_a_stream_started_at_a_block_deals_every_rank_what_it_would_have_read(st
         assert resumed == [rows[16 * block :] for rows in whole], block
 
 
+def test_a_feed_crosses_executions_and_resumes_across_them(store):
+    """One rank's feed of a stream sized for one epoch an execution: it starts the next execution when
+    one ends, every epoch gives every training row once, and a feed started at a position saved after
+    the switch (a checkpoint's ``Prefetch.position``) takes exactly the rows the first feed took next."""
+    import ray
+
+    from pipeline.data.heldout import store_part_ids
+    from pipeline.data.store import read_manifest
+    from pipeline.train.batches import Prefetch, ShardFeed
+    from pipeline.train.feed import data_config, stored_parts
+    from pipeline.train.stream import StreamStart, first_start, train_stream
+
+    root, data, store_path = store
+    part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    parts = stored_parts(part_ids, dtype, False, set())
+    train = load_config("jobs/configs/tiny.yaml", ["train.batch_tokens=256"]).train
+    hidden = read_manifest(store_path)["capture_key"]["hidden_size"]
+
+    def batches(start: dict, count: int):
+        actor = ray.remote(num_cpus=0)(StreamStart).remote()
+        (shard,) = data_config().configure({"train": train_stream(parts, 0, actor)}, 1, None, None)
+        feed = ShardFeed(shard["train"], 0, 1, "cpu", train, actor, start, epochs=1)
+        return Prefetch(feed, hidden, "draft", False, count)
+
+    first = batches(first_start(0, 1), 40)
+    taken, saved = [], None
+    for i in range(40):
+        if i == 30:
+            saved = first.position()
+        taken.append(first.next()[1])
+    rows = [sid for ids in taken for sid in ids]
+    epochs = {int(r.split(":")[0]) for r in rows}
+    assert len(epochs) >= 3  # at least two switches to a new execution
+    for epoch in sorted(epochs)[:-1]:  # every finished epoch: each row once
+        assert sorted(r.split(":")[1] for r in rows if r.startswith(f"{epoch}:")) == sorted(
+            i for ids in part_ids.values() for i in ids
+        )
+    assert saved["epoch"] >= 1, saved  # saved after a switch
+    again = batches(saved, 10)
+    assert [again.next()[1] for _ in range(10)] == taken[30:40]
+
+
 def places_of_rank0_blocks(parts, start: dict) -> list[dict]:
     """The (epoch, part, row) of the first row of each block rank 0 of 2 reads."""
     import threading
