@@ -160,9 +160,15 @@ class SpeculativeDecoder:
             "max_batch": self.limits.max_batch,
             "rounds": self.engine.engine.rounds,
             "policy": self.policy.describe(),
+            "sampling_tree": self._sampling_tree(),
             "metrics_exported": self.metrics is not None,
             "recent": [trace.summary() for trace in list(self.recent)],
         }  # a snapshot: workers append to it
+
+    def _sampling_tree(self) -> dict | None:
+        """The tree of rounds whose drafting rows all sample (``decode.sampling_tree``), if any."""
+        tree = self.policy.sampling_tree if self.draft is not None else None
+        return tree.model_dump() if tree is not None else None
 
     async def models(self) -> dict[str, Any]:
         """GET /v1/models."""
@@ -177,6 +183,7 @@ class SpeculativeDecoder:
             "decoding": "griffin speculative" if self.draft is not None else "vanilla (no draft configured)",
             "tree": self.tree.model_dump(),
             "policy": self.policy.describe() if self.draft is not None else None,
+            "sampling_tree": self._sampling_tree(),
             "max_batch": self.limits.max_batch,
             "max_context": self.target.max_context,
             "torch_threads": torch.get_num_threads(),

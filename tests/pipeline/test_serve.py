@@ -301,6 +301,7 @@ def test_models_and_health(server):
     assert models[0]["id"] == "tiny-llama" and models[0]["speculative"] is True
     assert models[0]["draft"] == "/".join(server.draft_dir.parts[-2:])  # a name, not the machine's path
     assert models[0]["torch_threads"] == 1  # Ray's OMP_NUM_THREADS for a replica of serve.num_cpus 1
+    assert models[0]["sampling_tree"] is None  # decode.sampling_tree unset: T > 0 rounds draft the policy's trees
     assert server.client.get("/health").json()["status"] == "ok"
 
 
