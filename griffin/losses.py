@@ -191,6 +191,30 @@ def alignment_mask(cumulative: Tensor, mask_shift: str) -> Tensor:
     return cumulative if mask_shift == "reference" else shift_right(cumulative)
 
 
+def ranked_pass_loss(
+    draft: GriffinDraft,
+    prediction: Tensor,
+    regression: Tensor,
+    batch: ShiftedBatch,
+    teacher: Tensor,
+    mask: Tensor,
+    cfg: TrainConfig,
+    plan: StagePlan,
+    ranks_mean: Callable[[Tensor], Tensor] | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One pass's loss over the denominator the ranks share (``ranks_mean``: see
+    ``token_alignable_step``; None on one rank), and its terms as this rank's own means, as a rank
+    reports them."""
+    count = mask.sum()
+    shared = ranks_mean(count) if ranks_mean is not None else count
+    parts = pass_losses(draft, prediction, regression, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss, shared)
+    # every rank's acceptance rate: the mean of the ranks' alphas, all over the one denominator
+    alpha_all = ranks_mean(parts["alpha"].detach()) if ranks_mean and cfg.token_loss != "kl" else None
+    with torch.no_grad():
+        own = {name: value * (shared + 1e-5) / (count + 1e-5) for name, value in parts.items()}
+    return pass_loss(parts, cfg, plan, alpha_all), {"loss": pass_loss(own, cfg, plan).detach(), **own}
+
+
 def token_alignable_step(
     model: nn.Module,
     batch: ShiftedBatch,
@@ -232,21 +256,13 @@ def token_alignable_step(
     metrics: dict[str, float] = {}
     for j in range(1, n_passes + 1):
         P, R = model(streams, batch.tokens, batch.attention_mask)  # (B, T, D) each
-        count = mask.sum()
-        shared = ranks_mean(count) if ranks_mean is not None else count  # this pass's denominator
-        parts = pass_losses(draft, P, R, batch, teacher, mask, cfg.topk_loss_k, plan.feature_loss, shared)
-        # every rank's acceptance rate: the mean of the ranks' alphas, all over the one denominator
-        alpha_all = ranks_mean(parts["alpha"].detach()) if ranks_mean and cfg.token_loss != "kl" else None
-        loss = pass_loss(parts, cfg, plan, alpha_all)
+        loss, own = ranked_pass_loss(draft, P, R, batch, teacher, mask, cfg, plan, ranks_mean)
         weighted = cfg.pass_weight_decay ** (j - 1) * loss / cfg.grad_accum
         if backward and full:
             total = total + weighted
         elif backward:
             weighted.backward()
-        with torch.no_grad():  # reported per rank: this rank's own means
-            own = {name: value * (shared + 1e-5) / (count + 1e-5) for name, value in parts.items()}
-            for name, value in (("loss", pass_loss(own, cfg, plan)), *own.items()):
-                metrics[f"{name}_{j}"] = float(value)
+        metrics.update({f"{name}_{j}": float(value) for name, value in own.items()})
         metrics[f"mask_kept_{j}"] = float(mask.sum() / base_count)
         if j == n_passes:
             break
@@ -259,6 +275,6 @@ def token_alignable_step(
                 mask = base * alignment_mask(cumulative, cfg.mask_shift)
     if backward and full:
         total.backward()
-    for name in ("loss", *parts):
+    for name in own:  # "loss" and each term
         metrics[name] = sum(metrics[f"{name}_{j}"] for j in range(1, n_passes + 1)) / n_passes
     return metrics

@@ -14,6 +14,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
+from griffin.engine import SpeculationPolicy
 from pipeline.config import RunConfig, TargetSection
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.targets import load_target
@@ -44,7 +45,8 @@ def local_decoder(
     target: Any, draft: Any | None = None, tree: TreeConfig | None = None, sampling_tree: TreeConfig | None = None
 ) -> Method:
     """Our decoder in this process: speculative with ``draft`` and ``tree`` (``sampling_tree`` at
-    T > 0 when set, as a replica's policy does), vanilla without."""
+    T > 0 when set: the rule of a replica's policy, ``SpeculationPolicy.tree_for``), vanilla without."""
+    policy = SpeculationPolicy({1: tree}, sampling_tree)
 
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
         ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)
@@ -52,7 +54,7 @@ def local_decoder(
         if draft is None:
             result = vanilla_generate(target, ids, sampling, max_new, seed)
         else:
-            used = sampling_tree if sampling_tree is not None and not sampling.greedy else tree
+            used = policy.tree_for(1, sampling=not sampling.greedy)
             result = speculative_generate(target, draft, ids, used, sampling, max_new, seed)
         seconds = time.perf_counter() - start
         text = completion_text(target.tokenizer, result.tokens, target.stop_token_ids, [])[0]
