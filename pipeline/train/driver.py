@@ -340,15 +340,14 @@ def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[st
     if cfg.train.features == "online":  # never workers waiting on feature actors that cannot start
         check_online_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
     parts, held_out = data["inputs"](eval_ids)
-    if held_out is not None and cfg.train.features == "online":  # featurized once, not by a pool per stage
+    hold = should_materialize(cfg.train.materialize, data["bytes"])
+    if hold:
+        logger.info("train: materializing the train and held-out rows (~%.1f MB) for every epoch", data["bytes"] / 1e6)
+        parts = materialized_parts(parts)
+    if held_out is not None and (hold or cfg.train.features == "online"):
         held_out = materialize(held_out)
-    inputs = {"parts": parts, "eval": held_out, "rows": len(data["sample_ids"]) - len(eval_ids)}
-    inputs["mean_length"] = data["mean_length"]
-    if not should_materialize(cfg.train.materialize, data["bytes"]):
-        return inputs
-    logger.info("train: materializing the train and held-out rows (~%.1f MB) for every epoch", data["bytes"] / 1e6)
-    held = held_out if held_out is None or cfg.train.features == "online" else materialize(held_out)
-    return inputs | {"parts": materialized_parts(parts), "eval": held}
+    rows = len(data["sample_ids"]) - len(eval_ids)
+    return {"parts": parts, "eval": held_out, "rows": rows, "mean_length": data["mean_length"]}
 
 
 def _stage_datasets(cfg: RunConfig, inputs: dict[str, Any], start) -> dict[str, Any]:
