@@ -24,10 +24,14 @@ $(VENV)/speculators/.installed: requirements-speculators.txt $(VENV)/.installed
 	  >> $(VENV)/setup.log 2>&1 || { tail -n 20 $(VENV)/setup.log; echo "speculators set-up failed"; exit 1; }
 	@touch $@
 
+# Two pytest-xdist workers, a module at a time: a module's fixtures (a feature store, a deployment, a
+# two-node cluster) are built once, and tests/conftest.py hands the longest modules out first. Each worker
+# starts its own local Ray. Much of the suite waits on process start-up and Ray's polls, so two run at
+# once on 2 cores.
 test: setup $(VENV)/speculators/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider tests
+	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder tests
 
 # the method tests (griffin/, tiny random models, no Ray) and the import rules: about two minutes on 2 cores
 test-fast: setup $(VENV)/speculators/.installed

@@ -132,6 +132,7 @@ class BatchEngine:
         self.layers = draft.cfg.feature_layers if draft is not None else None
         self.waiting: deque[Row] = deque()
         self.rows: list[Row] = []  # active, row i in slot i
+        self._sampling: tuple[tuple[Row, ...], RowSampling | None] = ((), None)  # _row_sampling's memo
         self.lock = threading.Condition()
         self.tree_slack = policy.tree_slack
         # compiled decoding (griffin.static) follows the target: compile_decoding() at load
@@ -370,12 +371,21 @@ class BatchEngine:
         (trees at most ``depth`` deep); the target KV keeps each row's accepted path."""
         device = logits.device
         with record_function("griffin.accept"):
-            rows = RowSampling.of([row.request.sampling for row in self.rows], logits.shape[-1], device)
+            rows = self._row_sampling(logits.shape[-1], device)
             keys = torch.tensor([row.keys(depth + 1) for row in self.rows])  # (B, D + 1)
             walks = walk(batch.tokens, batch.parents, logits, rows, keys.to(device))
         with record_function("griffin.commit"):
             self.cache.keep_paths(0, [w.nodes for w in walks], batch.tokens.shape[1])
         return walks
+
+    def _row_sampling(self, vocab: int, device) -> RowSampling:
+        """The active rows' sampling settings on the device, built again only when the rows change. The
+        memo holds the rows themselves: a retired row's id cannot be reused while it is compared."""
+        memo, sampling = self._sampling
+        if sampling is None or len(memo) != len(self.rows) or any(a is not b for a, b in zip(memo, self.rows)):
+            sampling = RowSampling.of([row.request.sampling for row in self.rows], vocab, device)
+            self._sampling = (tuple(self.rows), sampling)
+        return sampling
 
     def _pend(self, row: Row, features: Tensor, committed: list[int]) -> None:
         """Queue the round's committed pairs for the draft's next catch-up."""

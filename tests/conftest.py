@@ -26,8 +26,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # `griffin` subprocesses and the cluster test's nodes).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # The decoder replicas' fault-injection flag (pipeline.serve.engine.FAULT_ENV), named before Ray starts so
-# that every replica process inherits it: a test makes a replica's engine fail by writing the file.
-os.environ.setdefault("GRIFFIN_ENGINE_FAULT", str(Path(tempfile.mkdtemp(prefix="griffin-faults-")) / "engine"))
+# that every replica process inherits it: a test makes a replica's engine fail by writing the file. Each
+# test process (each pytest-xdist worker) names its own, so that a fault planted by one worker's test
+# never fails another worker's replicas.
+os.environ["GRIFFIN_ENGINE_FAULT"] = str(Path(tempfile.mkdtemp(prefix="griffin-faults-")) / "engine")
 # In-process tests run tiny models: their many small ops are fastest on one thread, and on a loaded
 # 2-core machine torch's spinning intra-op threads made them ~100x slower (timeouts).
 torch.set_num_threads(1)
@@ -95,8 +97,30 @@ def first_content(lines) -> dict:
     raise AssertionError("the stream ended before any content")
 
 
+# `make test` runs the suite on two pytest-xdist workers, a module at a time (`--dist loadscope`, handed
+# out in collection order). These modules take most of its time (their sums of test durations, 2 vCPUs,
+# 2026-12-06, in seconds: 500, 290, 240, 160, 160, 115, 110, 85, 70, 70, 65): handed out first, longest
+# first, so that the two workers end together instead of one of them starting a long module last.
+LONGEST_FIRST = [
+    "tests/pipeline/test_train.py",
+    "tests/test_cluster.py",
+    "tests/test_e2e_resume.py",
+    "tests/test_e2e.py",
+    "tests/griffin/test_families.py",
+    "tests/griffin/test_compiled.py",
+    "tests/pipeline/test_serve_replica_death.py",
+    "tests/griffin/test_verify.py",
+    "tests/pipeline/test_serve_edge.py",
+    "tests/griffin/test_engine_law.py",
+    "tests/pipeline/test_lock.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
-    """``gpu``-marked tests run where CUDA is, and are skipped (not failed) everywhere else."""
+    """The longest modules first (``LONGEST_FIRST``; the rest keep their order), and ``gpu``-marked
+    tests run where CUDA is, and are skipped (not failed) everywhere else."""
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: in-module order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (the gpu marker); runs on a machine with a GPU")
@@ -157,6 +181,23 @@ def tree_forward(target: TargetAdapter, cache, tokens: torch.Tensor, depths: tor
     n = cache.length
     mask = torch.cat([torch.ones(tree_mask.shape[0], n, dtype=torch.bool), tree_mask], dim=1)  # (N, n + N)
     return target.forward(tokens[None], cache, n + depths, mask)
+
+
+def assert_same_train_state(ours: Path, theirs: Path, world: int) -> None:
+    """Two training checkpoints (``pipeline.train.worker._save_checkpoint``'s folders) hold the same state
+    bit for bit: the draft's weights, the step, the LR schedule, the data position and Adam's moments."""
+    from safetensors.torch import load_file
+
+    weights = [load_file(ckpt / "draft" / "model.safetensors") for ckpt in (ours, theirs)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+    state, reference = (torch.load(ckpt / "train_state.pt", weights_only=True) for ckpt in (ours, theirs))
+    assert state["step"] == reference["step"] and state["scheduler"] == reference["scheduler"]
+    assert state["stream"] == reference["stream"] and state["world_size"] == reference["world_size"] == world
+    moments, expected = state["optimizer"]["state"], reference["optimizer"]["state"]
+    assert moments.keys() == expected.keys()
+    for key in expected:
+        assert all(torch.equal(moments[key][n], expected[key][n]) for n in expected[key])
 
 
 @pytest.fixture(scope="session")

@@ -23,14 +23,13 @@ import os
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
 from pipeline.data.layout import (
     content_name,
@@ -42,7 +41,9 @@ from pipeline.data.layout import (
     parts_dataset,
     utc_now,
 )
-from pipeline.resources.identity import fingerprint_problems
+
+if TYPE_CHECKING:  # torch is imported where it is used: Ray Data's processes that read parts never need it
+    import torch
 
 MANIFEST = "_manifest.json"
 SCHEMA_VERSION = 2  # 2 added the optional ``layers`` column; version-1 parts read the same
@@ -67,6 +68,8 @@ _FIX = "rerun `griffin featurize -c CONFIG` with the store's config to resume or
 # ---- feature codec -------------------------------------------------------------------------
 def encode_hidden(hidden: torch.Tensor, dtype: str) -> tuple[bytes, np.ndarray | None]:
     """(T, H) features -> raw bytes (+ per-token fp32 scales for fp8)."""
+    import torch
+
     if dtype == "bf16":
         return hidden.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes(), None
     scales = hidden.float().abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX  # (T,)
@@ -77,6 +80,8 @@ def encode_hidden(hidden: torch.Tensor, dtype: str) -> tuple[bytes, np.ndarray |
 def decode_features(data: Any, scales: Any, hidden_size: int) -> torch.Tensor:
     """Stored feature bytes -> (N, H) bf16: a view on the buffer for bf16 (no copy; read-only:
     don't modify it in place), dequantized for fp8 (``scales`` (N,) fp32)."""
+    import torch
+
     with warnings.catch_warnings():  # Arrow buffers and bytes are read-only; torch warns about that
         warnings.simplefilter("ignore", UserWarning)
         if scales is None:  # numpy reads any buffer (bytes from Ray, pa.Buffer from iter_rows) in place
@@ -89,6 +94,8 @@ def decode_features(data: Any, scales: Any, hidden_size: int) -> torch.Tensor:
 def decode_row(row: dict[str, Any], hidden_size: int, layers: bool = False) -> dict[str, torch.Tensor]:
     """A stored row -> tensors: ``hidden`` (T, H) and, with ``layers`` (the row must have them),
     ``layers`` (T, k*H), the k feature layers side by side."""
+    import torch
+
     hidden = decode_features(row["hidden"], row.get("scales"), hidden_size)  # (T, H)
     input_ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)  # (T,)
     loss_mask = torch.as_tensor(np.asarray(row["loss_mask"], dtype=np.uint8))  # (T,)
@@ -300,6 +307,8 @@ def key_mismatches(
     """How a store's capture key differs from ``expected``, the target's identity compared as
     ``pipeline.resources.identity.fingerprint_problems`` does (``weights_sha256``: the target's
     weights hash, asked for only when the store records no files digest)."""
+    from pipeline.resources.identity import fingerprint_problems  # (it imports transformers)
+
     return fingerprint_problems(stored, expected, weights_sha256 or _no_weights_hash, words=("store has", "expected"))
 
 
@@ -392,6 +401,8 @@ def iter_rows(files: list[str], layers: bool = False) -> Iterator[dict[str, Any]
 
 
 def _pad(rows: list[dict[str, torch.Tensor]], sample_ids: list[str]) -> dict[str, Any]:
+    import torch
+
     batch, longest, hidden_size = len(rows), max(r["input_ids"].shape[0] for r in rows), rows[0]["hidden"].shape[1]
     out = {
         "input_ids": torch.zeros(batch, longest, dtype=torch.long),  # (B, T)
@@ -429,20 +440,3 @@ def pad_batches(
         longest = max(longest, n)
     if group:
         yield _pad(group, ids)
-
-
-class StoreIterable(torch.utils.data.IterableDataset):
-    """Padded batches from part files for a plain PyTorch ``DataLoader(ds, batch_size=None)``.
-    Files are split across ``world_size`` ranks and the loader's workers (file i goes to shard
-    i mod shards), so give it at least as many files as shards."""
-
-    def __init__(self, files: list[str], batch_tokens: int, hidden_size: int, rank: int = 0, world_size: int = 1):
-        super().__init__()
-        self.files, self.batch_tokens, self.hidden_size = list(files), batch_tokens, hidden_size
-        self.rank, self.world_size = rank, world_size
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        worker = torch.utils.data.get_worker_info()
-        workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
-        shard, shards = self.rank * workers + worker_id, self.world_size * workers
-        yield from pad_batches(iter_rows(self.files[shard::shards]), self.batch_tokens, self.hidden_size)

@@ -77,7 +77,8 @@ def shard_rows(shard, feed: "ShardFeed") -> Iterator[dict]:
         feed.received(epochs, table.nbytes)
         block = {key: int(table[key][0].as_py()) for key in POSITION}
         for offset, (row, epoch) in enumerate(zip(table_rows(table), epochs)):
-            yield row | {"epoch": int(epoch), "block": block, "offset": offset}
+            row.update(epoch=int(epoch), block=block, offset=offset)  # table_rows makes a new dict per row
+            yield row
 
 
 class ShardFeed:
@@ -242,3 +243,20 @@ class Prefetch:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class StoreIterable(torch.utils.data.IterableDataset):
+    """Padded batches from part files for a plain PyTorch ``DataLoader(ds, batch_size=None)``, outside
+    Ray. Files are split across ``world_size`` ranks and the loader's workers (file i goes to shard
+    i mod shards), so give it at least as many files as shards."""
+
+    def __init__(self, files: list[str], batch_tokens: int, hidden_size: int, rank: int = 0, world_size: int = 1):
+        super().__init__()
+        self.files, self.batch_tokens, self.hidden_size = list(files), batch_tokens, hidden_size
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker = torch.utils.data.get_worker_info()
+        workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+        shard, shards = self.rank * workers + worker_id, self.world_size * workers
+        yield from pad_batches(iter_rows(self.files[shard::shards]), self.batch_tokens, self.hidden_size)

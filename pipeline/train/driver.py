@@ -49,7 +49,8 @@ from pipeline.train.stream import epochs_hint, train_stream
 from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.identity import target_fingerprint, target_identity
 from pipeline.resources.targets import draft_feature_layers
-from pipeline.train.worker import SCORE, TRAIN_STATE, StageChannel, train_worker
+from pipeline.train.channel import StageChannel
+from pipeline.train.worker import SCORE, TRAIN_STATE, train_worker
 from pipeline.data.heldout import held_out_ids, store_part_ids
 from pipeline.train.batches import reduced_vocabulary, store_tokens
 
@@ -358,9 +359,8 @@ def _stage_datasets(cfg: RunConfig, inputs: dict[str, Any], start) -> dict[str, 
 
 
 def _epochs_hint(cfg: RunConfig, stage: StageSection, inputs: dict[str, Any]) -> int:
-    rows, length = inputs["rows"], inputs["mean_length"]
-    micro = cfg.train.method.grad_accum
-    return epochs_hint(stage.steps, micro, cfg.train.num_workers, cfg.train.batch_tokens, rows, int(rows * length))
+    micro, world = cfg.train.method.grad_accum, cfg.train.num_workers
+    return epochs_hint(stage.steps, micro, world, cfg.train.batch_tokens, inputs["rows"], inputs["mean_length"])
 
 
 def run_train(cfg: RunConfig, stage: int | None = None) -> dict[str, Any]:

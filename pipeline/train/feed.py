@@ -140,9 +140,9 @@ def online_parts(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: s
 
 def stored_eval(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str]):
     """The held-out rows as a dataset, read from the parts that hold them (None without any)."""
-    held, _ = heldout_parts(part_ids, eval_ids)
     if not eval_ids:
         return None
+    held, _ = heldout_parts(part_ids, eval_ids)
     base = parts_dataset(held, feature_columns(dtype, layers))
     selected = base.map_batches(
         select_rows, batch_size=None, batch_format="pyarrow", fn_kwargs={"ids": sorted(eval_ids), "keep": True}

@@ -44,17 +44,17 @@ def first_start(epoch: int, epochs: int) -> dict[str, Any]:
     return {"epoch": epoch, "part": None, "row": 0, "skip": 0, "end": epoch + epochs}
 
 
-def epochs_hint(steps: int, micro_batches: int, world: int, batch_tokens: int, rows: int, tokens: int) -> int:
+def epochs_hint(steps: int, micro_batches: int, world: int, batch_tokens: int, rows: int, mean_length: float) -> int:
     """How many epochs a stage of ``steps`` steps of ``micro_batches`` micro-batches reads, with room:
-    a rank's micro-batch holds about ``batch_tokens`` / (mean row length) rows, fewer with padding."""
-    per_step = micro_batches * world * batch_tokens / max(tokens / max(rows, 1), 1.0)
+    a rank's micro-batch holds about ``batch_tokens`` / ``mean_length`` rows, fewer with padding."""
+    per_step = micro_batches * world * batch_tokens / max(mean_length, 1.0)
     return math.ceil(1.25 * steps * per_step / max(rows, 1)) + 1
 
 
 class StreamStart:
     """Where the stage's next stream execution starts: set by rank 0 before the ranks read, read by the
     task that makes the read items. Run as a Ray actor with no CPU of its own (training runs it as part
-    of the stage's ``pipeline.train.worker.StageChannel``)."""
+    of the stage's ``pipeline.train.channel.StageChannel``)."""
 
     def __init__(self) -> None:
         self.start: dict[str, Any] | None = None

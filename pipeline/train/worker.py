@@ -39,25 +39,9 @@ from pipeline.data.store import table_rows
 from pipeline.train import failures
 from pipeline.train.batches import Prefetch, ShardFeed, shifted_batches
 from pipeline.train.preemption import PreemptionWatch
-from pipeline.train.stream import StreamStart, first_start
+from pipeline.train.stream import first_start
 
 SCORE = "eval/sim_accept_len"
-
-
-class StageChannel(StreamStart):
-    """What the driver and the ranks of a running stage share, as one Ray actor with no CPU of its own
-    (``ray.remote(num_cpus=0)``): where the stage's stream starts (``StreamStart``), and where the stage
-    is: rank 0 pushes each step (fire and forget), the driver reads the latest for its console line."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.state: dict[str, Any] = {}
-
-    def update(self, step: int, loss: float, score: float | None) -> None:
-        self.state = {"step": step, "loss": loss, "score": score if score is not None else self.state.get("score")}
-
-    def latest(self) -> dict[str, Any]:
-        return self.state
 
 
 def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | None) -> GriffinDraft:

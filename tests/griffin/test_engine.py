@@ -111,6 +111,36 @@ def test_a_seeded_request_decodes_the_same_text_however_it_is_decoded(sampling):
     assert accepted >= len(prompts) * budget / 4
 
 
+def test_rows_of_different_samplings_keep_their_own_laws_as_the_batch_changes(monkeypatch):
+    """Greedy, T=1, top-k and top-p rows of different budgets share two slots, joining and leaving
+    (slots reused, rows moved): each decodes what it decodes alone (fp32, seeded). The rows' sampling
+    tensors are built again when the rows change, not every round."""
+    import griffin.engine
+
+    target, draft = peaked_pair()
+    samplings = [
+        SamplingConfig(temperature=0.0),
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.7, top_k=3),
+        SamplingConfig(temperature=1.0, top_p=0.8),
+    ]
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 6, (n,), generator=gen).tolist() for n in (4, 7, 3, 10)]
+    budgets = [12, 30, 20, 26]
+    requests = [DecodeRequest(p, s, n, 5 + i, []) for i, (p, s, n) in enumerate(zip(prompts, samplings, budgets))]
+    builds, rounds, of, walk = [], [], griffin.engine.RowSampling.of, griffin.engine.walk
+    monkeypatch.setattr(griffin.engine.RowSampling, "of", lambda *a: builds.append(1) or of(*a))
+    monkeypatch.setattr(griffin.engine, "walk", lambda *a: rounds.append(1) or walk(*a))
+    batched = generate_batch(target, draft, requests, SpeculationPolicy({1: SMALL}), max_rows=2)
+    built, walked = len(builds), len(rounds)
+    for request, result in zip(requests, batched):
+        alone = speculative_generate(target, draft, torch.tensor([request.prompt]), SMALL, request.sampling,
+                                     request.max_new_tokens, request.seed, [])  # fmt: skip
+        assert result.tokens == alone.tokens and len(alone.tokens) == request.max_new_tokens
+    # a build per prefill, and one per change of the rows (4 joins, 4 leaves) at most
+    assert built <= 4 + 8 + 1 < walked, (built, walked)
+
+
 def test_unseeded_requests_draw_independently():
     """Unseeded requests get fresh seeds: four identical ones, decoded together and one after
     another, give different texts."""

@@ -135,7 +135,8 @@ def test_worker_logging_recipe(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from pipeline.train.driver import _log_curves
-    from pipeline.train.worker import SCORE, StageChannel, _rank0_tracking, _report_rank0
+    from pipeline.train.channel import StageChannel
+    from pipeline.train.worker import SCORE, _rank0_tracking, _report_rank0
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")  # the worker's 10 s, shortened
     cfg = load_config(TINY, [f"output_dir={tmp_path}"])

@@ -128,16 +128,18 @@ def test_pad_batches_respects_the_token_budget(tmp_path):
 
 
 def test_store_iterable_splits_files_across_ranks(tmp_path):
+    from pipeline.train.batches import StoreIterable
+
     make_store(tmp_path)
     files = st.part_files(str(tmp_path))
     seen = [
         sid
         for rank in range(2)
-        for batch in st.StoreIterable(files, 64, H, rank=rank, world_size=2)
+        for batch in StoreIterable(files, 64, H, rank=rank, world_size=2)
         for sid in batch["sample_ids"]
     ]
     assert sorted(seen) == ["s0-0", "s0-1", "s0-2", "s1-0", "s1-1"]
-    loader = torch.utils.data.DataLoader(st.StoreIterable(files, 64, H), batch_size=None)
+    loader = torch.utils.data.DataLoader(StoreIterable(files, 64, H), batch_size=None)
     assert [tuple(b["input_ids"].shape) for b in loader] == [(5, 7)]  # rows of both files, one budget
     assert json.loads((tmp_path / "_manifest.json").read_text())["totals"]["files"] == 2
 
