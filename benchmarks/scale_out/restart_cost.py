@@ -155,6 +155,28 @@ def stage_measures() -> dict:
     }
 
 
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+    return names[0] if names else platform.processor()
+
+
+def make_test() -> dict:
+    """The last fresh-clone `make test` (make_test.json, written by make_test_time.py)."""
+    return json.loads((HERE / "make_test.json").read_text())
+
+
+def _make_test_line(run: dict) -> str:
+    counts = ", ".join(f"{n} {kind}" for kind, n in run["counts"].items())
+    minutes = run["wall_s"] / 60
+    verdict = "met" if run["wall_s"] <= 720 else f"missed by {minutes - 12:.1f} min"
+    return (
+        f"`make test` on a fresh clone ({run['date']}, {run['machine']}, commit {run['commit']}, "
+        f"{run['workers']} pytest-xdist workers): **{minutes:.1f} min** with set-up and lint, pytest "
+        f"{run['pytest_s']:.0f} s, {counts} (goal <= 12 min, **{verdict}**; make_test.json lists the slowest tests)."
+    )
+
+
 def write(result: dict) -> None:
     measured = result["measured"]
     ratio = measured["target_bytes_per_worker"] / measured["embed_head_bytes"]
@@ -168,6 +190,10 @@ def write(result: dict) -> None:
         "online_target_loads_per_stage == pool_size": {
             "met": stage["online_target_loads_per_stage"] == stage["pool_size"],
             "value": stage["online_target_loads_per_stage"],
+        },
+        "make_test_s <= 720 (2 cores)": {
+            "met": result["make_test"]["wall_s"] <= 720,
+            "value": result["make_test"]["wall_s"],
         },
         "resume_reread_bytes == 0": {
             "met": stage["resume"]["rows_again"] == 0,
@@ -233,6 +259,8 @@ def write(result: dict) -> None:
         "re-read (online: featurized again) every row of the epoch up to its position. Goal 0: "
         f"**{'met' if stage['resume']['rows_again'] == 0 else 'missed'}** (at most one part and one block a rank).",
         "",
+        _make_test_line(result["make_test"]),
+        "",
     ]
     (HERE / "restart_cost.md").write_text("\n".join(lines))
 
@@ -245,14 +273,7 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(2)
-    machine = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
+    machine = cpu_name()
     write(
         {
             "date": datetime.date.today().isoformat(),
@@ -264,5 +285,6 @@ if __name__ == "__main__":
                 "eval_reads": eval_reads(args.out),
             },
             "stage": stage_measures(),
+            "make_test": make_test(),
         }
     )

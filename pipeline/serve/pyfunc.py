@@ -10,7 +10,8 @@ it), decoded by ``griffin.decode.speculative_generate`` and cut at the stop toke
 ``pipeline.registry.register`` logs this file as models-from-code: MLflow stores it with the model and
 runs it at load time, after putting the model's ``code_paths`` (this repository's ``griffin`` and
 ``pipeline`` packages) on ``sys.path``; nothing is pickled. The model's config (``model_config``)
-records the ``target`` section that registration checked the draft's lineage against, the tree and the
+records the ``target`` section that registration checked the draft's lineage against, the trees
+(``decode.tree``; ``decode.sampling_tree`` at T > 0, the rule of a replica's policy) and the
 default ``params``; loading builds that target, checks the lineage again and binds the draft to it.
 ``load_model(uri, model_config={"device": "cuda"})`` places the target elsewhere than recorded.
 """
@@ -26,6 +27,7 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from griffin.checkpoint import load_draft
         from griffin.config import TreeConfig
+        from griffin.engine import SpeculationPolicy
         from pipeline.config import TargetSection
         from pipeline.resources.drafts import ARTIFACT_KEY, check_lineage
         from pipeline.resources.targets import load_target
@@ -40,7 +42,11 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
         self.draft = load_draft(draft_dir, self.target, dtype=self.target.dtype)
         if self.target.packed:  # a pre-packed target decodes with a pre-packed draft (load_draft_uri does too)
             self.draft.prepack()
-        self.tree, self.defaults = TreeConfig(**config["tree"]), dict(config.get("params") or {})
+        # the rule of a replica's policy (SpeculationPolicy.tree_for): ``sampling_tree`` for T > 0 when set;
+        # a version registered before it was recorded has none
+        sampling_tree = TreeConfig(**config["sampling_tree"]) if config.get("sampling_tree") else None
+        self.policy = SpeculationPolicy({1: TreeConfig(**config["tree"])}, sampling_tree)
+        self.defaults = dict(config.get("params") or {})
 
     # model_input has no type hint: MLflow would derive an input schema from it (the signature has one)
     def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
@@ -62,7 +68,8 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
             max_new = min(int(settings.get("max_new_tokens", 64)), self.target.max_context - len(prompt_ids))
             seed = int(settings.get("seed", 0))
             ids = torch.tensor([prompt_ids], device=self.target.device)  # (1, T)
-            result = speculative_generate(self.target, self.draft, ids, self.tree, sampling, max_new, seed)
+            tree = self.policy.tree_for(1, sampling=not sampling.greedy)
+            result = speculative_generate(self.target, self.draft, ids, tree, sampling, max_new, seed)
             texts.append(completion_text(self.target.tokenizer, result.tokens, self.target.stop_token_ids, [])[0])
         return texts
 

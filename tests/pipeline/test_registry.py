@@ -122,6 +122,32 @@ def test_register_alias_load(store, target, tmp_path):
         assert list(texts) == expected and all(texts), texts
 
 
+def test_the_pyfunc_samples_with_the_sampling_tree(store, target, tmp_path):
+    """A version registered with ``decode.sampling_tree`` drafts that tree at T > 0 and ``decode.tree`` at
+    T=0 (a replica's rule), and its seeded T=1 text is the target's own seeded text."""
+    import mlflow
+
+    from griffin.config import SamplingConfig, TreeConfig
+    from griffin.decode import vanilla_generate
+    from pipeline.data.chat import render_chat
+    from pipeline.serve.protocol import completion_text
+
+    cfg = make_cfg(
+        store, "registry.model_name=sampling-tree", "decode.sampling_tree={total_tokens: 4, depth: 1, top_k: 3}"
+    )
+    make_draft(cfg, target, tmp_path / "d")
+    registry.register(cfg, tmp_path / "d")
+    pyfunc = mlflow.pyfunc.load_model("models:/sampling-tree@candidate")
+    policy = pyfunc.unwrap_python_model().policy
+    assert policy.tree_for(1, sampling=True) == TreeConfig(total_tokens=4, depth=1, top_k=3)
+    assert policy.tree_for(1) == cfg.decode.tree
+    (text,) = pyfunc.predict({"prompt": ["hi"]}, params={"max_new_tokens": 6, "temperature": 1.0, "seed": 7})
+    decoding = load_target(cfg.target, decoding=True)
+    ids = torch.tensor([render_chat(decoding.tokenizer, [{"role": "user", "content": "hi"}])])
+    tokens = vanilla_generate(decoding, ids, SamplingConfig(temperature=1.0), 6, 7).tokens
+    assert text == completion_text(decoding.tokenizer, tokens, decoding.stop_token_ids, [])[0]
+
+
 def test_lineage_tags(store, target, tmp_path):
     cfg = make_cfg(store, "registry.model_name=lineage-test")
     make_draft(cfg, target, tmp_path / "d")
