@@ -193,6 +193,7 @@ class BatchEngine:
         stops stepping it (its caches are left as they are)."""
         with self.lock:
             rows, self.rows, self.waiting, self.failed = [*self.rows, *self.waiting], [], deque(), error
+            self._sampling = ((), None)
         for row in rows:
             row.error = row.error or error
             self._finish(row, "stop")
@@ -414,6 +415,7 @@ class BatchEngine:
                 self.draft_cache.release(slot, last)
             self.rows[slot] = self.rows[last]
             self.rows.pop()
+            self._sampling = ((), None)  # the memo must not keep a row that left (its tensors, its callbacks)
             self._finish(row, row.finish or "stop")
 
     def _finish(self, row: Row, reason: str) -> None:

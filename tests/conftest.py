@@ -40,6 +40,8 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 AUDIT = Path(__file__).resolve().parent / "audit"
 os.environ["GRIFFIN_AUDIT_REPO"] = str(REPO)
+# setdefault, not a name per process: under pytest-xdist the controller checks the log at the end (a
+# worker's failed session status is not passed on), so the workers write to the controller's log
 os.environ.setdefault("GRIFFIN_AUDIT_LOG", str(Path(tempfile.mkdtemp(prefix="griffin-audit-")) / "outside.log"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(AUDIT), os.environ.get("PYTHONPATH")) if p)
 sys.path.insert(0, str(AUDIT))
@@ -190,14 +192,14 @@ def assert_same_train_state(ours: Path, theirs: Path, world: int) -> None:
 
     weights = [load_file(ckpt / "draft" / "model.safetensors") for ckpt in (ours, theirs)]
     assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+    assert [k for k in weights[1] if not torch.equal(weights[0][k], weights[1][k])] == [], "weights differ"
     state, reference = (torch.load(ckpt / "train_state.pt", weights_only=True) for ckpt in (ours, theirs))
     assert state["step"] == reference["step"] and state["scheduler"] == reference["scheduler"]
     assert state["stream"] == reference["stream"] and state["world_size"] == reference["world_size"] == world
     moments, expected = state["optimizer"]["state"], reference["optimizer"]["state"]
     assert moments.keys() == expected.keys()
-    for key in expected:
-        assert all(torch.equal(moments[key][n], expected[key][n]) for n in expected[key])
+    differ = [(k, n) for k in expected for n in expected[k] if not torch.equal(moments[k][n], expected[k][n])]
+    assert differ == [], "Adam's moments differ"
 
 
 @pytest.fixture(scope="session")

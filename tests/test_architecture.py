@@ -116,3 +116,17 @@ def test_library_modules_and_functions_stay_small(path):
         and node.end_lineno - node.lineno >= MAX_FUNCTION_LINES
     ]
     assert not long, f"{path.relative_to(REPO)}: {long}"
+
+
+def test_what_ray_data_and_the_stage_channel_unpickle_imports_no_torch():
+    """A training stage's Ray Data processes (split coordinators, dataset managers, read tasks) and its
+    channel actor import the modules of the functions and class they run: neither torch nor
+    transformers, each of which costs seconds of CPU in every such process."""
+    import subprocess
+    import sys
+
+    modules = ["pipeline.train.stream", "pipeline.train.feed", "pipeline.train.channel", "pipeline.data.layout"]
+    probe = f"import sys; import {', '.join(modules)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]", run.stdout

@@ -30,9 +30,9 @@ def overrides(tmp_path, name):
 def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     # every optional step too: the target's own answers as training data, the tree tuned here. The
     # EAGLE-3 variant, so that its target layers go through every stage (featurize's layers column,
-    # training, the registry, Serve); the interrupt test below runs GRIFFIN. One training stage of two
-    # unrolled steps: each stage is a Ray Train run of its own, and a schedule's stages, each from the
-    # previous best, are test_train.py's three-stage run
+    # training, the registry, Serve); the interrupt test (test_e2e_resume.py) runs GRIFFIN. One training
+    # stage: each stage is a Ray Train run of its own, and a schedule's stages, each from the previous
+    # best, are test_train.py's schedule run
     steps = [
         "draft.variant=eagle3",
         "data.source=regenerated",

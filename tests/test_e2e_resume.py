@@ -23,9 +23,8 @@ def trained_by_step(run_dir: Path) -> dict[tuple[int, int], list[str]]:
 
 
 def last_checkpoint(run_dir: Path, run_name: str) -> Path:
-    return sorted(p.parent for p in (run_dir / "ray_train" / f"{run_name}-stage1").glob("checkpoint_*/train_state.pt"))[
-        -1
-    ]
+    """The stage's latest complete checkpoint (folders are named by time)."""
+    return max(p.parent for p in (run_dir / "ray_train" / f"{run_name}-stage1").glob("checkpoint_*/train_state.pt"))
 
 
 @pytest.mark.timeout(900)

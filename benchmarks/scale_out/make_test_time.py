@@ -23,7 +23,7 @@ def parse(log: str) -> dict:
     """The suite's outcome counts, pytest's seconds, the wall clock of the whole command (set-up, lint,
     suite) and the slowest tests, from the log's last summary line and `time`'s ``real``."""
     summary = [line for line in log.splitlines() if re.search(r"\d+ passed.* in [\d.]+s", line)][-1]
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+    counts = {kind.rstrip("s"): int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
     minutes, seconds = re.search(r"^real\s+(\d+)m([\d.]+)s", log, re.M).groups()
     slowest = re.findall(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)", log, re.M)
     return {
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--commit", required=True, help="the commit the clone was at")
     args = parser.parse_args()
     result = {
-        "date": datetime.date.today().isoformat(),
+        "date": datetime.date.fromtimestamp(Path(args.log).stat().st_mtime).isoformat(),  # the run's day
         "machine": f"{cpu_name()}, {os.cpu_count()} threads",
         "commit": args.commit,
         "command": "git clone ... && time make test",

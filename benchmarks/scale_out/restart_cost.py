@@ -166,10 +166,15 @@ def make_test() -> dict:
     return json.loads((HERE / "make_test.json").read_text())
 
 
+MAKE_TEST_GOAL_S = 720  # `make test` on a fresh clone, 2 cores: 12 minutes
+
+
 def _make_test_line(run: dict) -> str:
     counts = ", ".join(f"{n} {kind}" for kind, n in run["counts"].items())
     minutes = run["wall_s"] / 60
-    verdict = "met" if run["wall_s"] <= 720 else f"missed by {minutes - 12:.1f} min"
+    verdict = (
+        "met" if run["wall_s"] <= MAKE_TEST_GOAL_S else f"missed by {(run['wall_s'] - MAKE_TEST_GOAL_S) / 60:.1f} min"
+    )
     return (
         f"`make test` on a fresh clone ({run['date']}, {run['machine']}, commit {run['commit']}, "
         f"{run['workers']} pytest-xdist workers): **{minutes:.1f} min** with set-up and lint, pytest "
@@ -192,7 +197,7 @@ def write(result: dict) -> None:
             "value": stage["online_target_loads_per_stage"],
         },
         "make_test_s <= 720 (2 cores)": {
-            "met": result["make_test"]["wall_s"] <= 720,
+            "met": result["make_test"]["wall_s"] <= MAKE_TEST_GOAL_S,
             "value": result["make_test"]["wall_s"],
         },
         "resume_reread_bytes == 0": {

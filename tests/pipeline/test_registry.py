@@ -122,10 +122,12 @@ def test_register_alias_load(store, target, tmp_path):
         assert list(texts) == expected and all(texts), texts
 
 
-def test_the_pyfunc_samples_with_the_sampling_tree(store, target, tmp_path):
+def test_the_pyfunc_samples_with_the_sampling_tree(store, target, tmp_path, monkeypatch):
     """A version registered with ``decode.sampling_tree`` drafts that tree at T > 0 and ``decode.tree`` at
     T=0 (a replica's rule), and its seeded T=1 text is the target's own seeded text."""
     import mlflow
+
+    import griffin.decode
 
     from griffin.config import SamplingConfig, TreeConfig
     from griffin.decode import vanilla_generate
@@ -138,10 +140,11 @@ def test_the_pyfunc_samples_with_the_sampling_tree(store, target, tmp_path):
     make_draft(cfg, target, tmp_path / "d")
     registry.register(cfg, tmp_path / "d")
     pyfunc = mlflow.pyfunc.load_model("models:/sampling-tree@candidate")
-    policy = pyfunc.unwrap_python_model().policy
-    assert policy.tree_for(1, sampling=True) == TreeConfig(total_tokens=4, depth=1, top_k=3)
-    assert policy.tree_for(1) == cfg.decode.tree
+    trees, generate = [], griffin.decode.speculative_generate  # predict imports it when it runs
+    monkeypatch.setattr(griffin.decode, "speculative_generate", lambda *a: trees.append(a[3]) or generate(*a))
+    pyfunc.predict({"prompt": ["hi"]}, params={"max_new_tokens": 2, "temperature": 0.0})
     (text,) = pyfunc.predict({"prompt": ["hi"]}, params={"max_new_tokens": 6, "temperature": 1.0, "seed": 7})
+    assert trees == [cfg.decode.tree, TreeConfig(total_tokens=4, depth=1, top_k=3)]
     decoding = load_target(cfg.target, decoding=True)
     ids = torch.tensor([render_chat(decoding.tokenizer, [{"role": "user", "content": "hi"}])])
     tokens = vanilla_generate(decoding, ids, SamplingConfig(temperature=1.0), 6, 7).tokens

@@ -162,7 +162,7 @@ def test_a_resume_at_another_world_size_is_refused_naming_both(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_the_same_crash_in_a_row_stops_unlimited_restarts(store):
+def test_the_same_crash_in_a_row_stops_unlimited_restarts(store, schedule_run):
     """``train.max_failures=-1`` restarts a preempted group forever, so a deterministic crash is
     bounded by ``train.max_same_failures``: the same error from the same checkpoint twice, and the
     third attempt's workers refuse to start; the driver says which error. Both ranks raise each time,
@@ -192,6 +192,8 @@ def test_the_same_crash_in_a_row_stops_unlimited_restarts(store):
     fixed = train_cfg(store, "same-crash", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]", "train.max_failures=-1")
     run_train(fixed)
     assert (stage_dir(fixed, 1) / "_complete.json").exists() and failures.read(stage_dir(fixed, 1)) is None
+    # a run that failed outright and is rerun resumes from its checkpoint: it ends as the uninterrupted run
+    assert_same_train_state(last_checkpoint(fixed, 1), last_checkpoint(schedule_run[0], 1), world=2)
 
 
 @pytest.mark.timeout(600)
