@@ -56,3 +56,25 @@ def test_project_imports_in_script_templates_resolve(script):
         for name in (n.strip().split(" as ")[0] for n in names.split(",")):
             if name and not hasattr(module, name):
                 importlib.import_module(f"{module_name}.{name}")  # a submodule, or the ImportError names it
+
+
+def test_make_test_time_reads_a_make_test_log(monkeypatch):
+    """The recorder of `make test`'s cost reads pytest's summary, the 15 slowest tests and `time`'s real."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "scale_out"))
+    from make_test_time import parse
+
+    log = "\n".join(
+        [
+            ".venv/bin/python -m pytest -q --durations=15 -n 2 --dist loadscope tests",
+            "264.75s call     tests/test_e2e_resume.py::test_interrupted_run",
+            "110.42s setup    tests/pipeline/test_train.py::test_a_schedule_of_stages_two_workers",
+            "1 failed, 842 passed, 9 skipped, 1 error, 132 warnings in 1417.68s (0:23:37)",
+            "",
+            "real\t25m8.782s",
+            "user\t17m26.954s",
+        ]
+    )
+    run = parse(log)
+    assert run["counts"] == {"failed": 1, "passed": 842, "skipped": 9, "error": 1}
+    assert (run["pytest_s"], run["wall_s"], run["workers"]) == (1417.68, 1508.8, 2)
+    assert [(s["s"], s["phase"]) for s in run["slowest"]] == [(264.75, "call"), (110.42, "setup")]
