@@ -26,8 +26,8 @@ $(VENV)/speculators/.installed: requirements-speculators.txt $(VENV)/.installed
 
 # Two pytest-xdist workers, a module at a time: a module's fixtures (a feature store, a deployment, a
 # two-node cluster) are built once, and tests/conftest.py hands the longest modules out first. Each worker
-# starts its own local Ray. Much of the suite waits on process start-up and Ray's polls, so two run at
-# once on 2 cores.
+# starts its own local Ray. The suite is CPU-bound, mostly on process start-up: two workers keep both
+# cores busy.
 test: setup $(VENV)/speculators/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -132,7 +132,7 @@ class BatchEngine:
         self.layers = draft.cfg.feature_layers if draft is not None else None
         self.waiting: deque[Row] = deque()
         self.rows: list[Row] = []  # active, row i in slot i
-        self._sampling: tuple[tuple[Row, ...], RowSampling | None] = ((), None)  # _row_sampling's memo
+        self._sampling: RowSampling | None = None  # the active rows' settings; None whenever the rows change
         self.lock = threading.Condition()
         self.tree_slack = policy.tree_slack
         # compiled decoding (griffin.static) follows the target: compile_decoding() at load
@@ -193,7 +193,7 @@ class BatchEngine:
         stops stepping it (its caches are left as they are)."""
         with self.lock:
             rows, self.rows, self.waiting, self.failed = [*self.rows, *self.waiting], [], deque(), error
-            self._sampling = ((), None)
+            self._sampling = None
         for row in rows:
             row.error = row.error or error
             self._finish(row, "stop")
@@ -253,6 +253,7 @@ class BatchEngine:
         slot, req, device = len(self.rows), row.request, self.target.device
         self._ensure_capacity(len(req.prompt) + req.max_new_tokens)
         self.rows.append(row)
+        self._sampling = None
         start = device_time(device)
         ids = torch.tensor([req.prompt], device=device)  # (1, T)
         starts, _ = self.cache.slots.begin(slot, slot + 1, ids.shape[1])
@@ -380,13 +381,11 @@ class BatchEngine:
         return walks
 
     def _row_sampling(self, vocab: int, device) -> RowSampling:
-        """The active rows' sampling settings on the device, built again only when the rows change. The
-        memo holds the rows themselves: a retired row's id cannot be reused while it is compared."""
-        memo, sampling = self._sampling
-        if sampling is None or len(memo) != len(self.rows) or any(a is not b for a, b in zip(memo, self.rows)):
-            sampling = RowSampling.of([row.request.sampling for row in self.rows], vocab, device)
-            self._sampling = (tuple(self.rows), sampling)
-        return sampling
+        """The active rows' sampling settings on the device, built again only after the rows change
+        (``_admit``, ``_retire`` and ``fail_all`` reset it)."""
+        if self._sampling is None:
+            self._sampling = RowSampling.of([row.request.sampling for row in self.rows], vocab, device)
+        return self._sampling
 
     def _pend(self, row: Row, features: Tensor, committed: list[int]) -> None:
         """Queue the round's committed pairs for the draft's next catch-up."""
@@ -415,7 +414,7 @@ class BatchEngine:
                 self.draft_cache.release(slot, last)
             self.rows[slot] = self.rows[last]
             self.rows.pop()
-            self._sampling = ((), None)  # the memo must not keep a row that left (its tensors, its callbacks)
+            self._sampling = None
             self._finish(row, row.finish or "stop")
 
     def _finish(self, row: Row, reason: str) -> None:

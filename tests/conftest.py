@@ -185,6 +185,13 @@ def tree_forward(target: TargetAdapter, cache, tokens: torch.Tensor, depths: tor
     return target.forward(tokens[None], cache, n + depths, mask)
 
 
+def last_checkpoint(run_dir: Path, run_name: str, stage: int) -> Path:
+    """A training stage's latest complete checkpoint (Ray Train names the folders by time)."""
+    return max(
+        p.parent for p in (run_dir / "ray_train" / f"{run_name}-stage{stage}").glob("checkpoint_*/train_state.pt")
+    )
+
+
 def assert_same_train_state(ours: Path, theirs: Path, world: int) -> None:
     """Two training checkpoints (``pipeline.train.worker._save_checkpoint``'s folders) hold the same state
     bit for bit: the draft's weights, the step, the LR schedule, the data position and Adam's moments."""

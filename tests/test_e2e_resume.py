@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.train.driver import run_train
-from tests.conftest import assert_same_train_state
+from tests.conftest import assert_same_train_state, last_checkpoint
 from tests.test_e2e import GRIFFIN, REPO, griffin, overrides
 
 
@@ -20,11 +20,6 @@ def trained_by_step(run_dir: Path) -> dict[tuple[int, int], list[str]]:
     """(rank, step) -> the sample ids trained on; a step replayed after a resume keeps its last record."""
     logs = sorted((run_dir / "train" / "stage1").glob("data_rank*.jsonl"))
     return {(rank, r["step"]): r["sample_ids"] for rank, f in enumerate(logs) for r in map(json.loads, f.open())}
-
-
-def last_checkpoint(run_dir: Path, run_name: str) -> Path:
-    """The stage's latest complete checkpoint (folders are named by time)."""
-    return max(p.parent for p in (run_dir / "ray_train" / f"{run_name}-stage1").glob("checkpoint_*/train_state.pt"))
 
 
 @pytest.mark.timeout(900)
@@ -88,5 +83,5 @@ def test_interrupted_run_resumes_to_the_uninterrupted_runs_weights(tmp_path, ray
     trained, expected = trained_by_step(tmp_path / "kill"), trained_by_step(tmp_path / "ref")
     assert trained == expected and len(expected) >= 16
     assert_same_train_state(
-        last_checkpoint(tmp_path / "kill", "kill"), last_checkpoint(tmp_path / "ref", "ref"), world=1
+        last_checkpoint(tmp_path / "kill", "kill", 1), last_checkpoint(tmp_path / "ref", "ref", 1), world=1
     )

@@ -124,8 +124,8 @@ def resume_recomputed(cfg, steps: list[int]) -> dict:
         "from_step": from_step,
         "position": at,
         "rows_before_resume_row": at["row"],
-        "rows_skipped_per_rank": at["skip"],
-        "rows_again": at["row"] + at["skip"] * resumed["world_size"],
+        "rows_skipped_per_rank": at["skips"],
+        "rows_again": at["row"] + sum(at["skips"]),
     }
 
 

@@ -3,18 +3,22 @@
 Each Ray Train worker reads its shard of the stage's stream (``pipeline.train.stream``: blocks dealt
 round robin, so a rank reads ~1/world of the rows). ``ShardFeed`` turns a shard into micro-batches:
 
-- **Lockstep.** Every rank takes the same number of rows per micro-batch: each proposes how many of
-  its next rows fit ``batch_tokens`` (B * T_max), and all take the smallest proposal (one integer
-  all-reduce). When one rank's share of an execution is used up, every rank starts the next
-  execution together (the rest of a block per rank, at most, is left).
+- **Each rank packs its own rows.** A micro-batch is as many of the rank's next rows as fit
+  ``batch_tokens`` (B * T_max), whatever the other ranks' rows, and every rank trains the same
+  number of micro-batches a step (``train.method.grad_accum``). The loss is normalised by the ranks'
+  total token count (``griffin.losses``), so every token weighs the same on every rank. The only
+  agreement is a flag a step, on the host: when one rank's share of an execution cannot fill a step,
+  every rank starts the next execution together (what the others had not read of it is left).
 - **Deterministic.** The stream runs with ``preserve_order``: the same blocks reach the same rank in
-  the same order on every attempt. A data position is the place of a block (epoch, part, row), the
-  same on every rank, and how far into it the ranks are, so a resumed stage starts its stream there
-  and skips exactly the rows it had trained on.
+  the same order on every attempt, and a rank's micro-batches are a function of its rows alone. A
+  checkpoint's data position holds every rank's place (the round of its block and the row in it):
+  a resumed stage starts its stream at rank 0's block of the furthest-behind rank's round, and each
+  rank skips exactly the rows it had trained on.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,6 +31,7 @@ from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
 from pipeline.config import TrainSection
 from pipeline.data.store import iter_rows, pad_batches, part_files, table_rows
+from pipeline.train.feed import ROWS_PER_BLOCK
 from pipeline.train.stream import POSITION, first_start
 
 
@@ -68,53 +73,109 @@ def split_rows(files: list[str], ids: set[str], keep: bool, layers: bool = False
 
 def shard_rows(shard, feed: "ShardFeed") -> Iterator[dict]:
     """One execution of a Ray Data shard of the stage's stream as rows (views on its Arrow blocks), each
-    with its ``epoch``, the place of its block's first row (``block``) and its ``offset`` in the block;
-    ``feed.received`` counts each block as it arrives."""
+    with its ``epoch``, its block's ``round`` (the rank's n-th block of the execution: the stream's
+    block n * world + rank) and its ``offset`` in the block; ``feed.received`` counts each block and
+    keeps its place (the (epoch, part, row) of its first row)."""
     for table in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
         if not table.num_rows:
             continue
         epochs = table["epoch"].to_numpy()
-        feed.received(epochs, table.nbytes)
-        block = {key: int(table[key][0].as_py()) for key in POSITION}
+        block = feed.received(epochs, table.nbytes, {key: int(table[key][0].as_py()) for key in POSITION})
         for offset, (row, epoch) in enumerate(zip(table_rows(table), epochs)):
-            row.update(epoch=int(epoch), block=block, offset=offset)  # table_rows makes a new dict per row
+            row.update(epoch=int(epoch), round=block, offset=offset)  # table_rows makes a new dict per row
             yield row
 
 
-class ShardFeed:
-    """This rank's training rows from the stage's stream (``pipeline.train.stream``), as lists of rows
-    that fit ``batch_tokens``, the same number of rows on every rank (module docstring). ``start``:
-    where the stream starts (``first_start``, or a checkpoint's ``position()``); ``stream_start``: the
-    stage's ``StreamStart`` actor (its ``StageChannel``), which rank 0 tells before the ranks read."""
+# How many rows of an execution a rank may take beyond the furthest-behind rank before it packs fewer.
+# Ranks that pack their own rows drift apart (a random walk); this bounds the gap to DRIFT_ROWS and a
+# step's rows: what the stream's split holds for the rank behind, and what a resume reads again.
+DRIFT_ROWS = 2 * ROWS_PER_BLOCK
 
-    def __init__(self, shard, rank: int, world: int, device, train: TrainSection, stream_start, start, epochs: int):
+
+def fitting(lengths: Iterable[int], budget: int) -> int:
+    """How many rows of these lengths, in order, make one micro-batch of at most ``budget`` tokens
+    padded (B * T_max); a row longer than the budget goes alone. 0 when there are none."""
+    n, longest = 0, 0
+    for length in lengths:
+        if n and (n + 1) * max(longest, length) > budget:
+            return n
+        longest, n = max(longest, length), n + 1
+    return n
+
+
+class HostCollective:
+    """The feed's agreements across the ranks (a flag a step, the ranks' places at a checkpoint), on the
+    host: gloo, a group of its own when the default is NCCL, so that they never wait for the device.
+    Every rank makes one (``new_group`` is a collective)."""
+
+    def __init__(self, world: int):
+        import torch.distributed as dist
+
+        self.world = world
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def barrier(self) -> None:
+        torch.distributed.barrier(group=self.group)
+
+    def most(self, values: list[int]) -> list[int]:
+        """Each value's largest over the ranks."""
+        most = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return most.tolist()
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values``, by rank."""
+        out = [torch.zeros(len(values), dtype=torch.int64) for _ in range(self.world)]
+        torch.distributed.all_gather(out, torch.tensor(values, dtype=torch.int64), group=self.group)
+        return [o.tolist() for o in out]
+
+
+class ShardFeed:
+    """This rank's training rows from the stage's stream (``pipeline.train.stream``), a step's
+    micro-batches at a time, each packed from this rank's own rows to ``batch_tokens`` (module
+    docstring). ``start``: where the stream starts (``first_start``, or a checkpoint's ``position``);
+    ``stream_start``: the stage's ``StreamStart`` actor (its ``StageChannel``), which rank 0 tells
+    before the ranks read; ``collective``: how the ranks agree (default ``HostCollective``)."""
+
+    def __init__(self, shard, rank, world, device, train: TrainSection, stream_start, start, epochs, collective=None):
         self.shard, self.rank, self.world, self.device = shard, rank, world, device
         self.batch_tokens, self.stream_start, self.epochs = train.batch_tokens, stream_start, epochs
+        self.collective = collective or (HostCollective(world) if world > 1 else None)
         self.block_bytes: list[int] = []  # bytes of every block this rank received, this attempt
         self.per_epoch: dict[int, dict[str, int]] = {}  # rows and bytes received of each epoch, this attempt
         self._open(start)
 
     def _open(self, start: dict[str, Any]) -> None:
         """Start an execution at ``start``: rank 0 says where, every rank waits for that, then skips the
-        rows of its first block that it trained on before."""
+        rows it trained on before (its own count: ranks take rows at their own pace). A rank whose
+        skip reaches the end of its share finds it used up at its next ``take``, as it would have."""
         import ray
 
         if self.rank == 0:
             ray.get(self.stream_start.set_stream_start.remote(start))
-        if self.world > 1:
-            torch.distributed.barrier()
-        self.start, self.taken, self._ahead = start, 0, []
+        if self.collective is not None:
+            self.collective.barrier()
+        if hasattr(self, "_rows"):
+            self.close()  # the execution before, which this rank leaves unfinished
+        self.start, self.steps_taken, self._ahead = start, 0, []
+        self.places: list[dict[str, int]] = []  # the place of each block of this execution, by round
         self._rows = shard_rows(self.shard, self)
-        for _ in range(start["skip"]):
+        skips = start.get("skips") or [start.get("skip", 0)] * self.world  # "skip": lockstep checkpoints
+        for _ in range(skips[self.rank]):
             if next(self._rows, None) is None:
-                raise ValueError(f"resume position {start} is past the end of the stream")
+                break
+        # rows taken since the execution's first round, and how many beyond DRIFT_ROWS this rank is ahead
+        self.taken, self.excess = skips[self.rank], max(0, skips[self.rank] - min(skips) - DRIFT_ROWS)
 
-    def received(self, epochs: np.ndarray, nbytes: int) -> None:
+    def received(self, epochs: np.ndarray, nbytes: int, place: dict[str, int]) -> int:
+        """Count a block as it arrives; its round."""
         self.block_bytes.append(nbytes)
         for epoch, rows in zip(*np.unique(epochs, return_counts=True)):
             seen = self.per_epoch.setdefault(int(epoch), {"epoch": int(epoch), "rows": 0, "bytes": 0})
             seen["rows"] += int(rows)
             seen["bytes"] += nbytes * int(rows) // len(epochs)
+        self.places.append(place)
+        return len(self.places) - 1
 
     @property
     def finished(self) -> list[dict[str, int]]:
@@ -122,53 +183,78 @@ class ShardFeed:
         last = max(self.per_epoch, default=0)
         return [seen for epoch, seen in sorted(self.per_epoch.items()) if epoch < last]
 
-    def _fitting(self) -> int:
-        """How many of the next rows fit the budget (a row longer than the budget goes alone); 0 when
-        this execution's rows are used up."""
-        n, longest = 0, 0
-        while True:
+    def _lookahead(self) -> Iterator[dict]:
+        """This rank's next rows, from those taken ahead on, reading more as they are asked for."""
+        for n in itertools.count():
             if n == len(self._ahead):
                 row = next(self._rows, None)
                 if row is None:
-                    return n
+                    return
                 self._ahead.append(row)
-            length = int(self._ahead[n]["seq_len"])
-            if n and (n + 1) * max(longest, length) > self.batch_tokens:
-                return n
-            longest, n = max(longest, length), n + 1
+            yield self._ahead[n]
 
-    def _agree(self, count: int) -> int:
-        if self.world == 1:
-            return count
-        agreed = torch.tensor([count], device=self.device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        return int(agreed.item())
+    def _pack(self, count: int) -> list[list[dict]]:
+        """Up to ``count`` micro-batches of this rank's next rows, each as many as fit the budget; while
+        this rank is more than ``DRIFT_ROWS`` ahead, that many fewer (at least one row a micro-batch)."""
+        step: list[list[dict]] = []
+        while len(step) < count:
+            fit = fitting((int(row["seq_len"]) for row in self._lookahead()), self.batch_tokens)
+            if fit == 0:
+                break
+            trim = min(fit - 1, self.excess)
+            fit, self.excess = fit - trim, self.excess - trim
+            step.append(self._ahead[:fit])
+            self._ahead = self._ahead[fit:]
+        return step
 
-    def take(self) -> list[dict]:
-        """The next micro-batch's rows."""
-        count = self._agree(self._fitting())
-        if count == 0:  # a rank's share of this execution is used up: every rank starts the next
-            if self.taken == 0:
-                raise ValueError(
-                    f"rank {self.rank} of {self.world} got no training rows: the store's train split is too "
-                    "small for this many workers"
-                )
+    def _most(self, values: list[int]) -> list[int]:
+        return values if self.collective is None else self.collective.most(values)
+
+    def take(self, count: int) -> list[list[dict]]:
+        """The next step's ``count`` micro-batches. When any rank's share of this execution cannot fill
+        the step, every rank starts the next execution and takes the step there. One all-reduce a step
+        carries that flag and the rows the furthest-behind rank has taken."""
+        step = self._pack(count)
+        used_up, taken = len(step) < count, self.taken + sum(map(len, step))
+        fresh = self.steps_taken == 0 and self.start["part"] is None  # an execution from an epoch's start
+        worst, behind = self._most([2 if used_up and fresh else int(used_up), -taken])
+        if worst == 2:
+            raise ValueError(
+                f"a rank's share of the training rows ({self.world} ranks) does not fill one step of {count} "
+                f"micro-batches of train.batch_tokens={self.batch_tokens}: the store's train split is too small "
+                "for this many workers"
+            )
+        if worst == 1:
             self._open(first_start(self.start["end"], self.epochs))
-            return self.take()
-        rows, self._ahead = self._ahead[:count], self._ahead[count:]
-        self.taken += count
-        return rows
+            return self.take(count)
+        self.steps_taken, self.taken, self.excess = self.steps_taken + 1, taken, max(0, taken + behind - DRIFT_ROWS)
+        return step
 
-    def position(self, row: dict | None = None) -> dict[str, Any]:
-        """Where a resumed stage starts (rank 0's, which holds for every rank): the block of ``row`` (by
-        default the next row) and how far into it, in a stream with this one's end; or the next
-        execution's start."""
-        if row is None and not self._ahead and (peeked := next(self._rows, None)) is not None:
-            self._ahead.append(peeked)
-        row = row or (self._ahead[0] if self._ahead else None)
-        if row is None:
+    def position(self, pending: list[list[dict]] | None) -> dict[str, Any]:
+        """Where a resumed stage starts, a collective (every rank calls it; rank 0's answer is the one to
+        keep): at ``pending``'s first row (the step taken ahead, not trained) or each rank's next row.
+        The stream restarts at the first block of the round the furthest-behind rank is in (rank 0's
+        block of that round), and each rank skips its own rows from there; or the next execution."""
+        row = pending[0][0] if pending else self._peek()
+        mine = [row["round"], row["offset"], 0] if row is not None else [len(self.places), 0, 1]
+        ranks = [mine] if self.collective is None else self.collective.gather(mine)
+        if all(at_end for _, _, at_end in ranks):
             return first_start(self.start["end"], self.epochs)
-        return {**row["block"], "skip": row["offset"], "end": self.start["end"]}
+        first = min(block for block, _, _ in ranks)
+        skips = [(block - first) * ROWS_PER_BLOCK + offset for block, offset, _ in ranks]
+        place = self.places[first] if self.rank == 0 else {}
+        return {**place, "skips": skips, "end": self.start["end"]}
+
+    def close(self) -> None:
+        """End this rank's reading of the execution (Ray Data's iterator tells its split it is done)
+        while Ray is up: the feed and its rows' generator hold each other, so the garbage collector
+        would close it at some later time, possibly after Ray has shut down."""
+        self._rows.close()
+
+    def _peek(self) -> dict | None:
+        if not self._ahead and (row := next(self._rows, None)) is not None:
+            self._ahead.append(row)
+        return self._ahead[0] if self._ahead else None
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
@@ -209,40 +295,44 @@ def collate(rows: list[dict], hidden_size: int, device, window: LossWindow, laye
 
 
 class Prefetch:
-    """``feed``'s micro-batches, each collated (decoded, padded, shifted, copied to the device) on a
-    background thread while the one before it trains. Rows are taken on the training thread, one
-    micro-batch ahead: taking is a collective (the lockstep all-reduce), and every rank must issue its
+    """``feed``'s steps, each micro-batch collated (decoded, padded, shifted, copied to the device) on a
+    background thread while the step before it trains. A step's rows are taken on the training thread,
+    one step ahead: taking has a collective (the used-up flag), and every rank must issue its
     collectives in the same order."""
 
-    def __init__(self, feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool, count: int):
+    def __init__(self, feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool, steps: int, micro: int):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.feed, self.shape, self.left = feed, (hidden_size, window, layers), count  # micro-batches to come
+        self.feed, self.shape, self.left, self.micro = feed, (hidden_size, window, layers), steps, micro
         cuda = torch.device(feed.device).type == "cuda"  # the thread's pinned copies go to this rank's GPU
         setup = {"initializer": torch.cuda.set_device, "initargs": (feed.device,)} if cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="collate", **setup)
         self._pending = self._ahead()
 
     def _ahead(self):
-        """The next micro-batch's rows and its collation under way; None past the stage's last."""
+        """The next step's micro-batches' rows and their collation under way; None past the stage's last."""
         if self.left == 0:
             return None
         self.left -= 1
-        rows = self.feed.take()
-        return rows, self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:])
+        step = self.feed.take(self.micro)
+        return step, [
+            self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:]) for rows in step
+        ]
 
-    def next(self) -> tuple[ShiftedBatch, list[str]]:
-        """The next micro-batch and its "<epoch>:<sample id>"s; the one after it starts collating."""
-        rows, batch = self._pending
+    def next(self) -> tuple[list[ShiftedBatch], list[list[str]]]:
+        """The next step's micro-batches and the "<epoch>:<sample id>"s of each; the step after it
+        starts collating."""
+        step, batches = self._pending
         self._pending = self._ahead()
-        return batch.result(), [f"{r['epoch']}:{r['sample_id']}" for r in rows]
+        return [b.result() for b in batches], [[f"{r['epoch']}:{r['sample_id']}" for r in rows] for rows in step]
 
     def position(self) -> dict[str, Any]:
-        """Where a resumed stage starts: at the micro-batch taken ahead, which has not trained."""
-        return self.feed.position(self._pending[0][0] if self._pending else None)
+        """Where a resumed stage starts (a collective): at the step taken ahead, which has not trained."""
+        return self.feed.position(self._pending[0] if self._pending else None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.feed.close()
 
 
 class StoreIterable(torch.utils.data.IterableDataset):

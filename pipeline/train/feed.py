@@ -76,8 +76,7 @@ def select_rows(table: pa.Table, ids: list[str], keep: bool) -> pa.Table:
 
 def reblock(dataset):
     """``ROWS_PER_BLOCK``-row blocks, in order: the split hands out blocks, so rows reach the ranks the
-    same way whichever source made them, alternately in small runs of neighbouring (similar-length)
-    rows, which keeps the ranks' lockstep micro-batches full."""
+    same way whichever source made them, dealt round robin in small runs."""
     return dataset.repartition(target_num_rows_per_block=ROWS_PER_BLOCK, strict=True)
 
 

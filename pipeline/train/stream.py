@@ -10,11 +10,11 @@ a function of the stream alone.
 
 One execution serves a stage. A new one starts only after a worker-group restart, on a resume, or when
 a stage outlives the epochs its stream was sized for (``epochs_hint``). Each starts where the ranks
-are: before any rank reads, rank 0 sets the start (``StreamStart``) to the first row of the block it is
-in, and every rank skips the rows of that block it has trained on (the same count on every rank: they
-take rows in lockstep). The read items are made from the start when the execution begins. A block
-boundary of the stream it continues, dealt round robin again, gives every rank the blocks it would
-have had: a resume reads no row before its own block.
+are: before any rank reads, rank 0 sets the start (``StreamStart``) to the first row of its block in
+the round of the furthest-behind rank, and every rank skips the rows it has trained on from there
+(``pipeline.train.batches.ShardFeed.position``). The read items are made from the start when the
+execution begins. A round's first block of the stream it continues, dealt round robin again, gives
+every rank the blocks it would have had: a resume reads no row before the furthest-behind rank's round.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
 
 def first_start(epoch: int, epochs: int) -> dict[str, Any]:
     """A stream that starts with ``epoch`` and is sized for ``epochs`` epochs."""
-    return {"epoch": epoch, "part": None, "row": 0, "skip": 0, "end": epoch + epochs}
+    return {"epoch": epoch, "part": None, "row": 0, "skips": [], "end": epoch + epochs}
 
 
 def epochs_hint(steps: int, micro_batches: int, world: int, batch_tokens: int, rows: int, mean_length: float) -> int:

@@ -2,8 +2,8 @@
 resumes via ``ray.train.get_checkpoint()``, reads its shard of the stage's datasets
 (``pipeline.train.batches.ShardFeed``), steps with ``griffin.training.train_step``, evaluates the
 held-out score, and reports through ``ray.train.report``. Rank 0 writes the checkpoint's draft,
-optimizer, scheduler and data position (identical on every rank under DDP); the other ranks add only
-their RNG state. Rank 0 also logs to MLflow and pushes each step to the driver's ``StageChannel``
+optimizer and scheduler (identical on every rank under DDP) and every rank's data position; the other
+ranks add only their RNG state. Rank 0 also logs to MLflow and pushes each step to the driver's ``StageChannel``
 actor, which feeds the console line.
 """
 
@@ -83,13 +83,14 @@ def rng_state_name(rank: int) -> str:
 
 def _save_checkpoint(directory: Path, draft, optimizer, scheduler, step, batches: Prefetch, rank, provenance) -> None:
     """Rank 0 writes what every rank holds alike (DDP): the draft, optimizer and scheduler state, the
-    step and the data position (ranks take rows in lockstep), with the world size it holds for. Every
-    rank adds its own RNG state, with its weights' hash to show that the ranks agree."""
+    step, and the data position (every rank's, gathered: ranks take rows at their own pace), with the
+    world size it holds for. Every rank adds its own RNG state, with its weights' hash to show that the
+    ranks agree."""
     weights = tensors_sha256(dict(draft.named_parameters()))
+    stream = batches.position()  # a collective: every rank
     if rank == 0:
         save_draft(draft, directory / "draft", provenance)
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
-        stream = batches.position()
         torch.save({**state, "stream": stream, "world_size": batches.feed.world}, directory / TRAIN_STATE)
     torch.save({"rng": torch.get_rng_state(), "weights_sha256": weights}, directory / rng_state_name(rank))
 
@@ -163,7 +164,7 @@ def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bo
     return acceptance_metrics(counts)
 
 
-def _audit(stage_dir: Path, rank: int, step: int, ids: tuple, feed: ShardFeed) -> None:
+def _audit(stage_dir: Path, rank: int, step: int, ids: list[list[str]], feed: ShardFeed) -> None:
     """The data audit trail: which samples each rank trained on at each step, on which node, the bytes
     of the blocks it has read so far in this attempt, and the rows and bytes of each epoch it read to
     the end."""
@@ -267,8 +268,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     shard, epochs = ray.train.get_dataset_shard("train"), config["epochs_hint"]
     start = position or first_start(0, epochs)
     feed = ShardFeed(shard, rank, world, device, cfg.train, config["channel"], start, epochs)
-    micro_batches = (stage.steps - step) * method.grad_accum
-    batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers, micro_batches)
+    batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers, stage.steps - step, method.grad_accum)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
     eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
     fail_marker = Path(config["stage_dir"]) / "_injected_failure"
@@ -276,7 +276,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
     started, tokens_done, first_step = time.time(), 0.0, step
 
     while step < stage.steps:
-        micro, ids = zip(*[batches.next() for _ in range(method.grad_accum)])
+        micro, ids = batches.next()
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
         metrics = train_step(
             model, draft, micro, optimizer, scheduler, method, plan, bf16, generator, target_head, ranks_mean(world)

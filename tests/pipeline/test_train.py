@@ -1,5 +1,6 @@
 """Ray Train stage: a schedule of stages, resume, worker restart, best checkpoint, MLflow, 2-rank DDP. A
-run that fails outright and is rerun resumes bit for bit: tests/test_e2e_resume.py (`griffin run` killed)."""
+run that fails and is rerun resumes bit for bit: here at 2 ranks (the same-crash test), and
+tests/test_e2e_resume.py with `griffin run` killed."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 from pipeline.config import load_config
 from pipeline.train.driver import run_train, stage_dir
 from pipeline.train.worker import SCORE
-from tests.conftest import assert_same_train_state
+from tests.conftest import assert_same_train_state, last_checkpoint
 
 CONVERSATIONS = [
     {
@@ -63,18 +64,35 @@ def final_weights(cfg, stage=1):
     return load_file(stage_dir(cfg, stage) / "best" / "model.safetensors")
 
 
-def last_checkpoint(cfg, stage) -> Path:
-    ckpts = sorted(
-        p for p in (cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage{stage}").glob("checkpoint_*") if p.is_dir()
-    )
-    return ckpts[-1]
-
-
 def last_states(cfg, stage):
     """The stage's latest checkpoint: rank 0's train state, and each rank's RNG state."""
-    ckpt = last_checkpoint(cfg, stage)
+    ckpt = last_checkpoint(cfg.run_dir, cfg.run_name, stage)
     rngs = [torch.load(p, weights_only=True) for p in sorted(ckpt.glob("rng_rank*.pt"))]
     return torch.load(ckpt / "train_state.pt", weights_only=True), rngs
+
+
+def assert_each_rank_packs_its_own_rows(cfg, stage_path: Path, world: int) -> None:
+    """Each rank's steps (one micro-batch each) are its own rows packed greedily to train.batch_tokens
+    (B * T_max), whatever the other ranks' rows: not the same row count on every rank."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data.store import part_files
+
+    lengths = {}
+    for f in part_files(str(cfg.store_path)):
+        table = pq.read_table(f, columns=["sample_id", "seq_len"])
+        lengths.update(zip(table["sample_id"].to_pylist(), table["seq_len"].to_pylist()))
+    counts = []
+    for rank in range(world):
+        steps = [json.loads(x)["sample_ids"] for x in (stage_path / f"data_rank{rank}.jsonl").read_text().splitlines()]
+        for ids in steps:
+            sizes = [lengths[i.split(":", 1)[1]] for i in ids]
+            assert len(ids) * max(sizes) <= cfg.train.batch_tokens or len(ids) == 1  # it fits
+        for ids, after in zip(steps, steps[1:]):  # and the next row would not have
+            sizes = [lengths[i.split(":", 1)[1]] for i in [*ids, after[0]]]
+            assert len(sizes) * max(sizes) > cfg.train.batch_tokens
+        counts.append([len(ids) for ids in steps])
+    assert any(len(set(step)) > 1 for step in zip(*counts)), counts  # the ranks took different counts
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +117,7 @@ def test_a_schedule_of_stages_two_workers(schedule_run):
     state, rngs = last_states(cfg, 1)
     assert len(rngs) == 2 and rngs[0]["weights_sha256"] == rngs[1]["weights_sha256"]
     # the optimizer state is written once, by rank 0: the other rank's file is its RNG state alone
-    ckpt = last_checkpoint(cfg, 1)
+    ckpt = last_checkpoint(cfg.run_dir, cfg.run_name, 1)
     files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
     assert files == ["draft/config.json", "draft/model.safetensors", "rng_rank0.pt", "rng_rank1.pt", "train_state.pt"]
     assert set(rngs[1]) == {"rng", "weights_sha256"} and state["step"] == 4 and "optimizer" in state
@@ -113,6 +131,7 @@ def test_a_schedule_of_stages_two_workers(schedule_run):
         for r in (0, 1)
     ]  # epoch 0
     assert seen[0] and seen[1] and not seen[0] & seen[1]
+    assert_each_rank_packs_its_own_rows(cfg, stage_dir(cfg, 1), world=2)
 
     mlflow.set_tracking_uri(cfg.tracking_uri)
     client = mlflow.tracking.MlflowClient()
@@ -138,7 +157,8 @@ def test_a_restarted_worker_group_ends_with_identical_weights(store, schedule_ru
     run_train(restarted)
     log = [json.loads(x)["step"] for x in (stage_dir(restarted, 1) / "data_rank0.jsonl").read_text().splitlines()]
     assert log == [1, 2, 3, 3, 4]  # step 3 replayed from the step-2 checkpoint
-    assert_same_train_state(last_checkpoint(restarted, 1), last_checkpoint(clean, 1), world=2)
+    ours, theirs = (last_checkpoint(c.run_dir, c.run_name, 1) for c in (restarted, clean))
+    assert_same_train_state(ours, theirs, world=2)
 
 
 def test_a_resume_at_another_world_size_is_refused_naming_both(tmp_path):
@@ -193,7 +213,8 @@ def test_the_same_crash_in_a_row_stops_unlimited_restarts(store, schedule_run):
     run_train(fixed)
     assert (stage_dir(fixed, 1) / "_complete.json").exists() and failures.read(stage_dir(fixed, 1)) is None
     # a run that failed outright and is rerun resumes from its checkpoint: it ends as the uninterrupted run
-    assert_same_train_state(last_checkpoint(fixed, 1), last_checkpoint(schedule_run[0], 1), world=2)
+    ours, theirs = (last_checkpoint(c.run_dir, c.run_name, 1) for c in (fixed, schedule_run[0]))
+    assert_same_train_state(ours, theirs, world=2)
 
 
 @pytest.mark.timeout(600)
@@ -366,14 +387,14 @@ def test_a_feed_crosses_executions_and_resumes_across_them(store):
         actor = ray.remote(num_cpus=0)(StreamStart).remote()
         (shard,) = data_config().configure({"train": train_stream(parts, 0, actor)}, 1, None, None)
         feed = ShardFeed(shard["train"], 0, 1, "cpu", train, actor, start, epochs=1)
-        return Prefetch(feed, hidden, "draft", False, count)
+        return Prefetch(feed, hidden, "draft", False, count, 1)
 
     first = batches(first_start(0, 1), 40)
     taken, saved = [], None
     for i in range(40):
         if i == 30:
             saved = first.position()
-        taken.append(first.next()[1])
+        taken.append(first.next()[1][0])
     rows = [sid for ids in taken for sid in ids]
     epochs = {int(r.split(":")[0]) for r in rows}
     assert len(epochs) >= 3  # at least two switches to a new execution
@@ -382,8 +403,105 @@ def test_a_feed_crosses_executions_and_resumes_across_them(store):
             i for ids in part_ids.values() for i in ids
         )
     assert saved["epoch"] >= 1, saved  # saved after a switch
+    first.close()
     again = batches(saved, 10)
-    assert [again.next()[1] for _ in range(10)] == taken[30:40]
+    assert [again.next()[1][0] for _ in range(10)] == taken[30:40]
+    again.close()
+
+
+class ThreadCollective:
+    """What ``HostCollective`` does over gloo, for ranks run as threads of this process: shared slots
+    and a barrier."""
+
+    def __init__(self, slots: list, barrier, rank: int):
+        self.slots, self._barrier, self.rank = slots, barrier, rank
+
+    @classmethod
+    def ranks(cls, world: int) -> list["ThreadCollective"]:
+        import threading
+
+        slots, barrier = [None] * world, threading.Barrier(world)
+        return [cls(slots, barrier, rank) for rank in range(world)]
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        self.slots[self.rank] = list(values)
+        self._barrier.wait()
+        everyone = [list(v) for v in self.slots]
+        self._barrier.wait()  # nobody writes the next values before every rank has read these
+        return everyone
+
+    def most(self, values: list[int]) -> list[int]:
+        return [max(column) for column in zip(*self.gather(values))]
+
+
+def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, monkeypatch):
+    """Two ranks (threads, agreeing as they do over gloo), each packing its own micro-batches from a
+    stream sized for one epoch an execution: no rank runs more than DRIFT_ROWS and a micro-batch ahead
+    of the other, and two feeds started at a position saved mid-run (after several switches, with a
+    rank held back) take exactly the steps the first two took next, on each rank; and a step a rank's
+    share of an execution cannot fill is refused on both."""
+    import threading
+
+    import ray
+
+    from pipeline.data.heldout import store_part_ids
+    from pipeline.data.store import read_manifest
+    from pipeline.train import batches
+    from pipeline.train.feed import data_config, stored_parts
+    from pipeline.train.stream import StreamStart, first_start, train_stream
+
+    monkeypatch.setattr(batches, "DRIFT_ROWS", 0)  # any gap: this small stream barely drifts
+    _, _, store_path = store
+    part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
+    parts = stored_parts(part_ids, dtype, False, set())
+    train = load_config("jobs/configs/tiny.yaml", ["train.batch_tokens=256"]).train
+    hidden = read_manifest(store_path)["capture_key"]["hidden_size"]
+
+    def run(start: dict, steps: int, micro: int = 1):
+        actor = ray.remote(num_cpus=0)(StreamStart).remote()
+        splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
+        agree, taken, gaps, saved, errors = ThreadCollective.ranks(2), [[], []], [], {}, []
+
+        def rank(r):
+            feed = batches.ShardFeed(splits[r]["train"], r, 2, "cpu", train, actor, start, 1, agree[r])
+            try:
+                prefetch = batches.Prefetch(feed, hidden, "draft", False, steps, micro)
+            except ValueError as error:
+                feed.close()
+                return errors.append(str(error))
+            for i in range(steps):
+                at = prefetch.position()  # a checkpoint's, before step i (a collective)
+                if r == 0:
+                    saved[i] = at
+                taken[r].append(prefetch.next()[1][0])
+                gaps.append((feed.start["epoch"], i, r, feed.taken))
+            prefetch.close()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        [thread.start() for thread in threads]
+        [thread.join() for thread in threads]
+        ray.kill(actor)
+        return taken, gaps, saved, errors
+
+    taken, gaps, saved, _ = run(first_start(0, 1), 24)
+    assert {int(i.split(":")[0]) for rows in taken[0] for i in rows} >= {0, 1, 2}  # two switches
+    counts = {}
+    for epoch, step, r, rows in gaps:  # rows each rank had taken after each step, by execution
+        counts.setdefault((epoch, step), {})[r] = rows
+    gap = [abs(c[0] - c[1]) for c in counts.values() if len(c) == 2]
+    widest = max(len(rows) for ranks in taken for rows in ranks)
+    assert max(gap) > batches.DRIFT_ROWS  # the bound was reached
+    assert max(gap) <= batches.DRIFT_ROWS + widest, gap
+    # a step after a switch at which the ranks were at different places in their blocks
+    step = next(i for i, at in saved.items() if at["epoch"] >= 1 and len(set(at["skips"])) > 1)
+    again, _, _, _ = run(saved[step], 24 - step)
+    assert again == [rows[step:] for rows in taken]
+    # a step that a rank's share of a whole execution cannot fill is refused on every rank, by name
+    *_, errors = run(first_start(0, 1), 1, micro=50)
+    assert len(errors) == 2 and all("too small for this many workers" in e for e in errors), errors
 
 
 def places_of_rank0_blocks(parts, start: dict) -> list[dict]:
