@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pipeline.config imports resolve_tracking from here
     from pipeline.config import RunConfig
 
-LOCAL_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Set in every driver unless the user set them. Ray Data's progress bars are redrawn many times a
+# second by each split coordinator and forwarded to the driver's log, where they are hundreds of lines
+# of carriage returns: the console has its own line per stage (RAY_DATA_DISABLE_PROGRESS_BARS=0 keeps them).
+LOCAL_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 TRACKING_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 
 

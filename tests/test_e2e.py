@@ -52,6 +52,7 @@ def test_griffin_run_tiny_end_to_end_and_idempotent_rerun(tmp_path):
     log = Path(out.splitlines()[0].split("logs in ")[1])
     assert "Traceback" not in out + first.stderr and "WARNING" not in out + first.stderr and first.stderr == ""
     assert len(out.splitlines()) < 40 and out.count("[train stage 2]") == 1 and log.stat().st_size > 0
+    assert " row/s]" not in log.read_text()  # no Ray Data progress bars redrawn into the log
     run_dir = tmp_path / "e2e"
     summary = json.loads((run_dir / "run_summary.json").read_text())
     for key in ("report", "best_draft"):

@@ -3,7 +3,7 @@
 ``load_config("jobs/configs/tiny.yaml", ["train.steps=10", "serve.port=8001"])`` -> RunConfig.
 Unknown keys and bad values fail with a message that names the key and the allowed values.
 Every stage records ``cfg.resolved()`` (the full config with defaults filled in) in its artifacts.
-The sections live in ``sections.py``. Imports: griffin's configs and ``pipeline.runtime``'s URI
+The sections live in ``sections``. Imports: griffin's configs and ``pipeline.runtime``'s URI
 resolution only; every pipeline package may import this one.
 """
 

@@ -236,8 +236,10 @@ def run_tune_tree(
 def _say_result(result: dict[str, Any], out: Path) -> None:
     """Log and print the tuning's answer and the overrides that apply it."""
     best, vanilla, sampling = result["best"], result["vanilla_tokens_per_s"], result["sampling"]
-    label = f"{best['total_tokens']}/{best['depth']}/{best['top_k']}"
     sampled = sampling["best"]
+    label, sampled_label = (
+        TreeConfig(**{k: tree[k] for k in TreeConfig.model_fields}).label for tree in (best, sampled)
+    )
     logger.info(
         "tune-tree: best %s, expected %.2fx vanilla (%.1f tokens/s)", label, result["expected_speedup"], vanilla
     )
@@ -245,7 +247,7 @@ def _say_result(result: dict[str, Any], out: Path) -> None:
         f"best tree: total_tokens={best['total_tokens']} depth={best['depth']} top_k={best['top_k']}: tau "
         f"{best['tau']:.2f}, expected {best['tokens_per_s']:.1f} tokens/s = {result['expected_speedup']:.2f}x vanilla "
         f"({vanilla:.1f} tokens/s)\nat T={sampling['temperature']:g}: "
-        f"{sampled['total_tokens']}/{sampled['depth']}/{sampled['top_k']}, tau {sampled['tau']:.2f}, expected "
+        f"{sampled_label}, tau {sampled['tau']:.2f}, expected "
         f"{sampling['expected_speedup']:.2f}x vanilla\nuse: {' '.join(result['overrides'])}\n"
         f"report: {out / 'tune_tree.md'}"
     )

@@ -51,12 +51,57 @@ class TextDelta(str):
     covered: int = 0
 
 
+class IncrementalText:
+    """``tokenizer.decode(tokens, skip_special_tokens=True)`` of a growing list of tokens, decoding only
+    its last ones: a stream of n tokens pushed a few at a time decodes O(n) tokens in all, not O(n²).
+
+    The text up to a boundary is kept. The tokens after it are decoded together with the ``ANCHOR``
+    tokens before it, whose own text is then cut off: a token's text may depend on the token before it
+    (SentencePiece drops the space of a text's first token; a character's bytes span tokens). The
+    boundary moves ``STEP`` tokens behind the end once a whole decode confirms that the kept text and
+    the rest add up to it (a boundary inside a character does not), and tries again ``RETRY`` tokens
+    later when they do not. A rest that does not start with its anchor's text falls back to a whole
+    decode."""
+
+    STEP, ANCHOR, RETRY = 64, 4, 8
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.boundary, self.kept, self.anchor = 0, "", ""  # tokens[:boundary]'s text; its last ANCHOR tokens'
+        self.next_move = 2 * self.STEP
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _rest(self, tokens: list[int], boundary: int, anchor: str) -> str | None:
+        """The text of ``tokens[boundary:]`` as it continues ``tokens[:boundary]``; None if unsure."""
+        piece = self._decode(tokens[max(0, boundary - self.ANCHOR) :])
+        return piece[len(anchor) :] if piece.startswith(anchor) else None
+
+    def text(self, tokens: list[int]) -> str:
+        if len(tokens) >= self.next_move:
+            self._move(tokens)
+        rest = self._rest(tokens, self.boundary, self.anchor)
+        return self._decode(tokens) if rest is None else self.kept + rest
+
+    def _move(self, tokens: list[int]) -> None:
+        split = len(tokens) - self.STEP
+        before = self._rest(tokens[:split], self.boundary, self.anchor)
+        anchor = self._decode(tokens[max(0, split - self.ANCHOR) : split])
+        after = self._rest(tokens, split, anchor)
+        if before is not None and after is not None and self.kept + before + after == self._decode(tokens):
+            self.boundary, self.kept, self.anchor = split, self.kept + before, anchor
+            self.next_move = len(tokens) + self.STEP
+        else:
+            self.next_move = len(tokens) + self.RETRY
+
+
 class TextStream:
     """Incremental detokenization of a generation's committed tokens, honouring stop sequences.
 
-    ``push`` decodes all tokens so far (so the text is exactly what ``completion_text`` sees, tokenizer
-    clean-ups included; one decode per round is cheap next to a target pass) and returns only what is
-    safe to send: never half a multi-byte character (a trailing U+FFFD waits for its next bytes), no
+    ``push`` takes the text of all tokens so far (``IncrementalText``: what ``completion_text`` sees,
+    tokenizer clean-ups included, decoding only the last tokens again) and returns only what is safe
+    to send: never half a multi-byte character (a trailing U+FFFD waits for its next bytes), no
     trailing whitespace (a clean-up may still rewrite " ." as "."), never text that may be part of a
     stop sequence. ``stopped`` turns True once a stop sequence is certain; ``finish`` settles the rest
     with ``completion_text``, so the streamed text equals the non-streamed one. With ``track_tokens``
@@ -68,6 +113,7 @@ class TextStream:
     ):
         self.tokenizer, self.stop_ids, self.stops = tokenizer, list(stop_ids), stops
         self.tokens: list[int] = []
+        self.decoded = IncrementalText(tokenizer)
         self.sent, self.stopped = "", False
         self.track_tokens, self.covered = track_tokens, 0
         self.emit = emit  # False (a non-streaming request): decode only to watch for stop sequences
@@ -90,7 +136,7 @@ class TextStream:
         if self.stopped or not (self.emit or self.stops):
             return ""
         body = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.stop_ids else self.tokens
-        text = self.tokenizer.decode(body, skip_special_tokens=True).rstrip("\ufffd")
+        text = self.decoded.text(body).rstrip("\ufffd")
         pending = _pending_stop(text, self.stops)
         cuts = [text.find(s) for s in self.stops if s in text]
         if cuts and min(cuts) <= pending:  # no stop sequence starting earlier can still complete

@@ -12,7 +12,6 @@ interrupted one from its latest checkpoint (same run name + storage path).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -28,7 +27,7 @@ from griffin.config import DraftConfig, StagePlan
 from griffin.model import GriffinDraft
 from pipeline.config import RunConfig, StageSection
 from pipeline.console import Progress, say
-from pipeline.files import atomic_write_json, atomic_write_text, read_marker
+from pipeline.files import atomic_write_json, atomic_write_text, read_marker, reuse_key
 from pipeline.runtime import cluster_address, ensure_ray, feature_dataset, recorded_run, setup_mlflow
 from pipeline.data.integrity import require_unique_ids
 from pipeline.data.store import check_capture_key
@@ -288,10 +287,6 @@ def _check_store_layers(cfg: RunConfig, target, manifest: dict[str, Any]) -> Non
         )
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
     """The feature store's sample ids, tokens and datasets, after checking it fits this target and draft."""
     weights = lambda: target.weights_sha256  # noqa: E731  (only for a store made before file digests)
@@ -310,7 +305,7 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
         ),
         "mean_length": tokens / max(len(sample_ids), 1),
         "bytes": estimated_bytes(tokens, key["hidden_size"], key["dtype"], len(draft_feature_layers(cfg, target))),
-        "sha256": _digest(manifest),
+        "sha256": reuse_key(manifest),
     }
 
 
@@ -329,7 +324,7 @@ def _online_data(cfg: RunConfig, target) -> dict[str, Any]:
         "inputs": lambda eval_ids: online_parts(cfg, key, samples, eval_ids),
         "mean_length": tokens / len(samples),
         "bytes": estimated_bytes(tokens, key["hidden_size"], cfg.features.dtype, layers),
-        "sha256": _digest({"capture_key": key, "sample_ids": sorted(s.sample_id for s in samples)}),
+        "sha256": reuse_key({"capture_key": key, "sample_ids": sorted(s.sample_id for s in samples)}),
     }
 
 

@@ -80,6 +80,58 @@ def test_text_stream_is_safe_and_matches_completion_text(per_round):
     assert stream.finish() == ("", completes, True)
 
 
+LONG_TEXT = " ".join(f"word{i % 37} héllo wörld, 東京 {i} 🙂." for i in range(160))
+
+
+def sentencepiece_like_tokenizer(text: str):
+    """A word-level tokenizer with SentencePiece's Metaspace decoding: a decoded text's first token loses
+    its space, so the text of a token depends on whether it comes first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"\u2581{w}": i + 1 for i, w in enumerate(sorted(set(text.split())))}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+
+class CountingTokenizer:
+    """A tokenizer whose ``decode`` counts the tokens it is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "sentencepiece"])
+def test_a_long_stream_decodes_its_text_incrementally_and_exactly(kind):
+    """The streamed text of ~2,000 tokens (multi-byte characters split across byte tokens; SentencePiece's
+    dropped first space) is at every round exactly the whole decode, and equals completion_text in the
+    end, while decoding at most ~3 * STEP tokens a round and a whole decode every STEP tokens (3 * STEP * n
+    + n² / STEP in all: a tenth of decoding all each round, n² / 2, at these lengths)."""
+    from pipeline.serve.sse import IncrementalText
+
+    tokenizer = tiny_tokenizer() if kind == "bytes" else sentencepiece_like_tokenizer(LONG_TEXT)
+    tokens = tokenizer(LONG_TEXT, add_special_tokens=False)["input_ids"]
+    assert len(tokens) > 900
+    counting = CountingTokenizer(tokenizer)
+    incremental = IncrementalText(counting)
+    for end in range(1, len(tokens) + 1):
+        assert incremental.text(tokens[:end]) == tokenizer.decode(tokens[:end], skip_special_tokens=True), end
+    n, step = len(tokens), IncrementalText.STEP
+    assert counting.decoded <= 3 * step * n + n * n / step < n * n / 2
+    assert incremental.boundary > n - 3 * step  # the boundary kept moving
+
+    stream = TextStream(tokenizer, [], [])
+    deltas, _ = push_all(stream, tokens, per_round=3)
+    last, n_tokens, _ = stream.finish()
+    assert "".join(deltas) + last == completion_text(tokenizer, tokens, [], [])[0] and n_tokens == len(tokens)
+
+
 def test_text_stream_waits_for_a_stop_that_starts_earlier():
     """With stops "xyz" and "y", seeing "axy" must not stop yet: "xyz" (starting earlier) may complete."""
     tokenizer = tiny_tokenizer()
