@@ -8,7 +8,8 @@ round robin, so a rank reads ~1/world of the rows). ``ShardFeed`` turns a shard 
   number of micro-batches a step (``train.method.grad_accum``). The loss is normalised by the ranks'
   total token count (``griffin.losses``), so every token weighs the same on every rank. The only
   agreement is a flag a step, on the host: when one rank's share of an execution cannot fill a step,
-  every rank starts the next execution together (what the others had not read of it is left).
+  every rank starts the next execution together (the rows they had read of it and not trained are
+  left: at most ``DRIFT_ROWS``, a step and a block a rank).
 - **Deterministic.** The stream runs with ``preserve_order``: the same blocks reach the same rank in
   the same order on every attempt, and a rank's micro-batches are a function of its rows alone. A
   checkpoint's data position holds every rank's place (the round of its block and the row in it):
@@ -86,9 +87,10 @@ def shard_rows(shard, feed: "ShardFeed") -> Iterator[dict]:
             yield row
 
 
-# How many rows of an execution a rank may take beyond the furthest-behind rank before it packs fewer.
-# Ranks that pack their own rows drift apart (a random walk); this bounds the gap to DRIFT_ROWS and a
-# step's rows: what the stream's split holds for the rank behind, and what a resume reads again.
+# How many rows of an execution a rank may take beyond the furthest-behind rank before it packs fewer
+# (down to a row a micro-batch). Ranks that pack their own rows drift apart (a random walk); this keeps
+# the gap within DRIFT_ROWS rows and one step's rows (at most grad_accum x batch_tokens tokens): what
+# the stream's split holds for the rank behind, and what a resume reads again.
 DRIFT_ROWS = 2 * ROWS_PER_BLOCK
 
 
@@ -147,8 +149,8 @@ class ShardFeed:
 
     def _open(self, start: dict[str, Any]) -> None:
         """Start an execution at ``start``: rank 0 says where, every rank waits for that, then skips the
-        rows it trained on before (its own count: ranks take rows at their own pace). A rank whose
-        skip reaches the end of its share finds it used up at its next ``take``, as it would have."""
+        rows it trained on before (its own count: ranks take rows at their own pace). A rank that had
+        read its share to the end finds it used up at its next ``take``, as it would have."""
         import ray
 
         if self.rank == 0:
@@ -161,9 +163,12 @@ class ShardFeed:
         self.places: list[dict[str, int]] = []  # the place of each block of this execution, by round
         self._rows = shard_rows(self.shard, self)
         skips = start.get("skips") or [start.get("skip", 0)] * self.world  # "skip": lockstep checkpoints
+        ended = start.get("ended") or [False] * self.world  # ranks whose share was read to its end
         for _ in range(skips[self.rank]):
             if next(self._rows, None) is None:
-                break
+                if ended[self.rank]:
+                    break
+                raise ValueError(f"resume position {start} is past the end of rank {self.rank}'s rows")
         # rows taken since the execution's first round, and how many beyond DRIFT_ROWS this rank is ahead
         self.taken, self.excess = skips[self.rank], max(0, skips[self.rank] - min(skips) - DRIFT_ROWS)
 
@@ -243,7 +248,7 @@ class ShardFeed:
         first = min(block for block, _, _ in ranks)
         skips = [(block - first) * ROWS_PER_BLOCK + offset for block, offset, _ in ranks]
         place = self.places[first] if self.rank == 0 else {}
-        return {**place, "skips": skips, "end": self.start["end"]}
+        return {**place, "skips": skips, "ended": [bool(at_end) for _, _, at_end in ranks], "end": self.start["end"]}
 
     def close(self) -> None:
         """End this rank's reading of the execution (Ray Data's iterator tells its split it is done)
@@ -295,10 +300,10 @@ def collate(rows: list[dict], hidden_size: int, device, window: LossWindow, laye
 
 
 class Prefetch:
-    """``feed``'s steps, each micro-batch collated (decoded, padded, shifted, copied to the device) on a
-    background thread while the step before it trains. A step's rows are taken on the training thread,
-    one step ahead: taking has a collective (the used-up flag), and every rank must issue its
-    collectives in the same order."""
+    """``feed``'s steps. A step's rows are taken on the training thread one step ahead: taking has a
+    collective (the used-up flag), and every rank must issue its collectives in the same order. Its
+    micro-batches are collated (decoded, padded, shifted, copied to the device) on a background thread
+    one micro-batch ahead of training, so the device holds the micro-batch that trains and the next."""
 
     def __init__(self, feed: ShardFeed, hidden_size: int, window: LossWindow, layers: bool, steps: int, micro: int):
         from concurrent.futures import ThreadPoolExecutor
@@ -307,28 +312,39 @@ class Prefetch:
         cuda = torch.device(feed.device).type == "cuda"  # the thread's pinned copies go to this rank's GPU
         setup = {"initializer": torch.cuda.set_device, "initargs": (feed.device,)} if cuda else {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="collate", **setup)
-        self._pending = self._ahead()
+        self._step = self._take()  # the rows of the step that trains next
+        self._collating = self._collate(self._step[0]) if self._step else None  # (rows, their collation)
 
-    def _ahead(self):
-        """The next step's micro-batches' rows and their collation under way; None past the stage's last."""
+    def _take(self) -> list[list[dict]] | None:
+        """The next step's micro-batches' rows; None past the stage's last step."""
         if self.left == 0:
             return None
         self.left -= 1
-        step = self.feed.take(self.micro)
-        return step, [
-            self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:]) for rows in step
-        ]
+        return self.feed.take(self.micro)
 
-    def next(self) -> tuple[list[ShiftedBatch], list[list[str]]]:
-        """The next step's micro-batches and the "<epoch>:<sample id>"s of each; the step after it
-        starts collating."""
-        step, batches = self._pending
-        self._pending = self._ahead()
-        return [b.result() for b in batches], [[f"{r['epoch']}:{r['sample_id']}" for r in rows] for rows in step]
+    def _collate(self, rows: list[dict]):
+        return rows, self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:])
+
+    def next(self) -> tuple[Iterator[ShiftedBatch], list[list[str]]]:
+        """The next step's micro-batches, collated as they are consumed, and the "<epoch>:<sample id>"s
+        of each; the rows of the step after it are taken now."""
+        step, self._step = self._step, self._take()
+        return self._batches(step), [[f"{r['epoch']}:{r['sample_id']}" for r in rows] for rows in step]
+
+    def _batches(self, step: list[list[dict]]) -> Iterator[ShiftedBatch]:
+        """Each micro-batch of ``step``, the next one's collation started as it is handed out."""
+        for i, rows in enumerate(step):
+            pending, future = self._collating or (None, None)
+            batch = (
+                future.result() if pending is rows else collate(rows, self.shape[0], self.feed.device, *self.shape[1:])
+            )
+            after = step[i + 1] if i + 1 < len(step) else (self._step[0] if self._step else None)
+            self._collating = self._collate(after) if after is not None else None
+            yield batch
 
     def position(self) -> dict[str, Any]:
         """Where a resumed stage starts (a collective): at the step taken ahead, which has not trained."""
-        return self.feed.position(self._pending[0] if self._pending else None)
+        return self.feed.position(self._step)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

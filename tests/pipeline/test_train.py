@@ -420,7 +420,7 @@ class ThreadCollective:
     def ranks(cls, world: int) -> list["ThreadCollective"]:
         import threading
 
-        slots, barrier = [None] * world, threading.Barrier(world)
+        slots, barrier = [None] * world, threading.Barrier(world, timeout=120)  # a rank that died: fail, not hang
         return [cls(slots, barrier, rank) for rank in range(world)]
 
     def barrier(self) -> None:
@@ -460,18 +460,25 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
     train = load_config("jobs/configs/tiny.yaml", ["train.batch_tokens=256"]).train
     hidden = read_manifest(store_path)["capture_key"]["hidden_size"]
 
-    def run(start: dict, steps: int, micro: int = 1):
+    def run(start: dict, steps: int, micro: int = 1, epochs: int = 1):
         actor = ray.remote(num_cpus=0)(StreamStart).remote()
         splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
         agree, taken, gaps, saved, errors = ThreadCollective.ranks(2), [[], []], [], {}, []
 
         def rank(r):
-            feed = batches.ShardFeed(splits[r]["train"], r, 2, "cpu", train, actor, start, 1, agree[r])
             try:
-                prefetch = batches.Prefetch(feed, hidden, "draft", False, steps, micro)
-            except ValueError as error:
-                feed.close()
-                return errors.append(str(error))
+                feed = batches.ShardFeed(splits[r]["train"], r, 2, "cpu", train, actor, start, epochs, agree[r])
+                try:
+                    prefetch = batches.Prefetch(feed, hidden, "draft", False, steps, micro)
+                except ValueError as error:
+                    feed.close()
+                    return errors.append(str(error))
+                read(r, feed, prefetch)
+            except BaseException as error:  # the test thread raises it
+                errors.append(error)
+                agree[r]._barrier.abort()  # the other rank's agreement fails instead of waiting
+
+        def read(r, feed, prefetch):
             for i in range(steps):
                 at = prefetch.position()  # a checkpoint's, before step i (a collective)
                 if r == 0:
@@ -480,10 +487,12 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
                 gaps.append((feed.start["epoch"], i, r, feed.taken))
             prefetch.close()
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
         [thread.start() for thread in threads]
         [thread.join() for thread in threads]
         ray.kill(actor)
+        if failed := [e for e in errors if isinstance(e, BaseException)]:
+            raise failed[0]
         return taken, gaps, saved, errors
 
     taken, gaps, saved, _ = run(first_start(0, 1), 24)
@@ -495,7 +504,8 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
     widest = max(len(rows) for ranks in taken for rows in ranks)
     assert max(gap) > batches.DRIFT_ROWS  # the bound was reached
     assert max(gap) <= batches.DRIFT_ROWS + widest, gap
-    # a step after a switch at which the ranks were at different places in their blocks
+    # a step after a switch at which the ranks were at different rows (in one block: this small store
+    # keeps them within a row or two)
     step = next(i for i, at in saved.items() if at["epoch"] >= 1 and len(set(at["skips"])) > 1)
     again, _, _, _ = run(saved[step], 24 - step)
     assert again == [rows[step:] for rows in taken]
