@@ -1,4 +1,4 @@
-# `make test`: set up the pinned venv, lint and format-check with ruff, and run the suite. `make run`: set up and run the main job.
+# `make test`: set up the pinned venv, lint and format-check with ruff, type-check with mypy, and run the suite. `make run`: set up and run the main job.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -31,6 +31,7 @@ $(VENV)/speculators/.installed: requirements-speculators.txt $(VENV)/.installed
 test: setup $(VENV)/speculators/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder tests
 
 # the method tests (griffin/, tiny random models, no Ray) and the import rules: about two minutes on 2 cores

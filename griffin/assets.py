@@ -135,7 +135,7 @@ def locate(part: Part) -> Path:
     dist = metadata.distribution(part.package)
     for file in dist.files or ():
         if file.as_posix() == part.file:
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
     raise FileNotFoundError(

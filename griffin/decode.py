@@ -3,132 +3,22 @@
 
 Both stop at the target's stop tokens or ``max_new_tokens`` and return the new tokens with stats.
 Round shape (docs/method.md §4): draft a tree, verify it in one target pass, accept a path, compact
-the target KV, append, stop check. This module also holds what every decode returns and records.
+the target KV, append, stop check. What a decode returns and records: griffin.results.
 
-Shape legend: T tokens, N tree nodes, D hidden, V vocab.
+Shape legend: T tokens, V vocab.
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from griffin.config import SamplingConfig, TreeConfig
+from griffin.engine import DecodeRequest, SpeculationPolicy
 from griffin.model import GriffinDraft
+from griffin.offline import generate_batch
+from griffin.results import GenerationResult, LogprobRecorder, TokenCallback, check_request
 from griffin.target import TargetAdapter
-
-
-def acceptance_length(accepted_per_round: list[int]) -> float:
-    """tau = sum over rounds of (accepted + 1) / rounds (docs/design.md §8: bonus token included);
-    0 without rounds."""
-    rounds = len(accepted_per_round)
-    return (sum(accepted_per_round) + rounds) / rounds if rounds else 0.0
-
-
-@dataclass
-class GenerationStats:
-    rounds: int = 0  # target passes after prefill (verification passes for speculative decoding)
-    accepted_per_round: list[int] = field(default_factory=list)  # draft tokens accepted per round
-    drafted_per_round: list[int] = field(default_factory=list)  # draft tokens verified per round (0: plain)
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0  # target verify forward + acceptance + KV compaction
-    round_seconds: list[tuple[float, float]] = field(default_factory=list)  # (draft, verify) per round
-
-    @property
-    def acceptance_length(self) -> float:
-        return acceptance_length(self.accepted_per_round)
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # new token ids, stop token included when one was produced
-    stats: GenerationStats
-    finish_reason: str  # "stop" or "length"
-    logprobs: list[TokenLogprob] | None = None  # one per token when a LogprobRecorder was passed
-
-
-@dataclass
-class TokenLogprob:
-    """The target's log-probability of one emitted token and its ``top`` alternatives [(id, logprob)],
-    best first (OpenAI's ``logprob`` / ``top_logprobs``)."""
-
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class LogprobRecorder:
-    """Asks a decode for log-probabilities: it appends one ``TokenLogprob`` per committed token to
-    ``entries`` *before* ``on_tokens`` sees those tokens, so a stream can send them with its chunks.
-
-    Semantics (OpenAI / vLLM's default): the log-softmax of the target's *raw* logits at the
-    position that produced the token, in fp32, whatever the temperature, top-k or top-p: the
-    sampling warper is not applied. Computed only when a recorder is passed (the default decode does
-    no extra work); speculative decoding reads them from the verification logits of the accepted
-    path, which at T=0 are the logits vanilla decoding sees (equal up to float noise)."""
-
-    top_n: int = 0  # alternatives per token (0: the chosen token's log-probability only)
-    entries: list[TokenLogprob] = field(default_factory=list)
-
-    def score(self, logits: Tensor, tokens: list[int]) -> list[TokenLogprob]:
-        """logits (K, V) of the K positions that produced ``tokens`` (K,) -> K entries."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (K, V)
-        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]  # (K,)
-        if self.top_n:
-            top_values, top_ids = logprobs.topk(min(self.top_n, logprobs.shape[-1]), dim=-1)  # (K, n)
-            tops = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-        else:
-            tops = [[] for _ in tokens]
-        return [TokenLogprob(value, top) for value, top in zip(chosen.tolist(), tops)]
-
-
-def _check_request(target: TargetAdapter, input_ids: Tensor, max_new_tokens: int) -> None:
-    if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a LongTensor of shape (1, T) with T >= 1, got {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if input_ids.shape[1] + max_new_tokens > target.max_context:
-        raise ValueError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"context window of {target.max_context}; shorten the prompt or lower max_new_tokens"
-        )
-
-
-TokenCallback = Callable[[list[int]], None]
-
-
-def _append(
-    out: list[int],
-    new: list[int],
-    stop: set[int],
-    max_new_tokens: int,
-    on_tokens: TokenCallback | None = None,
-    recorder: LogprobRecorder | None = None,
-    scores: Callable[[], list[TokenLogprob]] | None = None,
-) -> str | None:
-    """Append ``new`` to ``out`` up to the first stop token or the length limit; say why we stopped.
-    ``on_tokens`` receives the tokens actually appended (for streaming); with a ``recorder``, the
-    lazily computed ``scores()`` (aligned with ``new``) of those tokens are recorded first."""
-    start, reason = len(out), None
-    for token in new:
-        out.append(token)
-        if token in stop:
-            reason = "stop"
-            break
-        if len(out) >= max_new_tokens:
-            reason = "length"
-            break
-    if recorder is not None:
-        recorder.entries += scores()[: len(out) - start]
-    if on_tokens is not None:
-        on_tokens(out[start:])
-    return reason
-
 
 NEAR_TIE_LOGITS = 0.25  # two bf16 rounding steps of a logit of magnitude 16-32
 
@@ -153,13 +43,6 @@ def first_divergence(target: TargetAdapter, prompt_ids: list[int], spec: list[in
         "spec_token": spec[index],
         "vanilla_token": vanilla[index],
     }
-
-
-def device_time(device: torch.device) -> float:
-    """A wall-clock reading after the device's queued work is done (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def vanilla_generate(
@@ -206,10 +89,7 @@ def speculative_generate(
 
 def _decode_one(target, draft, input_ids, tree, sampling, max_new_tokens, seed, stop_token_ids, on_tokens, logprobs):
     """One request through the engine, alone: the same code path as a batch of one in a replica."""
-    from griffin.engine import DecodeRequest, SpeculationPolicy
-    from griffin.offline import generate_batch
-
-    _check_request(target, input_ids, max_new_tokens)
+    check_request(target, input_ids, max_new_tokens)
     request = DecodeRequest(
         input_ids[0].tolist(), sampling, max_new_tokens, seed, stop_token_ids, True, on_tokens, logprobs
     )

@@ -31,16 +31,17 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import (
+from griffin.model import GriffinDraft
+from griffin.results import (
     GenerationResult,
     GenerationStats,
     LogprobRecorder,
+    Scores,
     TokenCallback,
-    _append,
-    _check_request,
+    append_tokens,
+    check_request,
     device_time,
 )
-from griffin.model import GriffinDraft
 from griffin.rows import RowCache, row_mask
 from griffin.static import MIN_BUCKET, decode_mode, length_bucket, mark_static
 from griffin.target import TargetAdapter, decode_attention
@@ -157,7 +158,7 @@ class BatchEngine:
 
     # ---- requests ----
     def submit(self, request: DecodeRequest) -> Row:
-        _check_request(self.target, torch.tensor([request.prompt]), request.max_new_tokens)
+        check_request(self.target, torch.tensor([request.prompt]), request.max_new_tokens)
         if request.seed is not None and not isinstance(request.seed, int):
             raise TypeError(f"a request's seed is an int (sampling is keyed by position), not {type(request.seed)}")
         stop = set(self.target.stop_token_ids if request.stop_token_ids is None else request.stop_token_ids)
@@ -272,7 +273,7 @@ class BatchEngine:
         if self.draft is not None:
             row.pending_features = [features[0]]  # (T, D_f)
             row.pending_tokens = [torch.cat([ids[0, 1:], torch.tensor([token], device=device)])]  # (T,)
-        self._deliver(row, [token], lambda: req.logprobs.score(logits[0, -1:], [token]))
+        self._deliver(row, [token], lambda recorder: recorder.score(logits[0, -1:], [token]))
 
     def _ensure_capacity(self, need: int) -> None:
         """Room for a request of ``need`` positions (prompt + new tokens) plus a tree; growing doubles.
@@ -323,8 +324,8 @@ class BatchEngine:
             row.stats.drafted_per_round.append(tree_b.size - 1)
             accepted = torch.tensor(walked.nodes, device=device)
             self._pend(row, features[b, accepted], walked.tokens)
-            lp = row.request.logprobs
-            self._deliver(row, walked.tokens, lambda lp=lp, a=accepted, b=b, c=walked.tokens: lp.score(logits[b, a], c))
+            # called at once, inside _deliver, only when the request records log-probabilities
+            self._deliver(row, walked.tokens, lambda recorder: recorder.score(logits[b, accepted], walked.tokens))
 
     def verify_only(self, trees: list[DraftTree]) -> list[Walked]:
         """A round's verify phase for the active rows with ``trees`` (one each), as ``step`` runs it
@@ -339,6 +340,7 @@ class BatchEngine:
     def _draft(self, tree: TreeConfig) -> list[DraftTree]:
         """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
         then the levels, all rows at once. A request that asked for no draft keeps only its root."""
+        assert self.draft is not None, "drafting rounds run only with a draft"
         rows, device = self.rows, self.target.device
         counts = [sum(run.numel() for run in row.pending_tokens) for row in rows]
         width, first = max(counts), rows[0].pending_features[0]
@@ -394,10 +396,10 @@ class BatchEngine:
         row.pending_features.append(features)  # after a plain round the draft was idle: the runs accumulate
         row.pending_tokens.append(torch.tensor(committed, device=features.device))
 
-    def _deliver(self, row: Row, tokens: list[int], scores) -> None:
-        req = row.request
+    def _deliver(self, row: Row, tokens: list[int], scores: Scores) -> None:
+        r = row.request
         try:
-            row.finish = _append(row.out, tokens, row.stop, req.max_new_tokens, req.on_tokens, req.logprobs, scores)
+            row.finish = append_tokens(row.out, tokens, row.stop, r.max_new_tokens, r.on_tokens, r.logprobs, scores)
         except BaseException as error:  # the consumer ended the request (client gone, stop sequence)
             row.error = error
 

@@ -21,7 +21,7 @@ from griffin.checkpoint import (
     read_draft_config,
 )
 from griffin.config import DraftConfig
-from griffin.layouts import (
+from griffin.export_layouts import (
     EAGLE_UPSTREAM_NAMES,
     GRIFFIN_UPSTREAM_NAMES,
     HF_NAMES,

@@ -256,6 +256,7 @@ class AttentionLayout:
         inside = cols[None, :] - starts  # (B, W) index into the block, < 0 in the prefix
         block_positions = positions.gather(1, inside.clamp(0, positions.shape[1] - 1))  # (B, W)
         column_positions = torch.where(inside >= 0, block_positions, cols[None, :])  # (B, W)
+        assert self.window is not None, "only a layout with windowed layers masks by window"
         return positions[:, :, None] - column_positions[:, None, :] < self.window  # (B, T, W)
 
 

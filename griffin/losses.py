@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -237,7 +238,7 @@ def token_alignable_step(
     averages the ranks' gradients, so every masked position of every rank weighs the same, however the
     ranks' counts differ (docs/method.md §3.1). Returns this rank's mean losses over passes plus
     per-pass values and the fraction of positions kept by the mask."""
-    draft = draft if draft is not None else model
+    draft = draft if draft is not None else cast(GriffinDraft, model)
     n_passes, full = plan.passes, cfg.full_backprop(plan)
     inputs = (
         add_feature_noise(batch.features, batch.attention_mask, cfg.noise_scale, generator)
@@ -251,7 +252,8 @@ def token_alignable_step(
         if target_head is None:
             raise ValueError("train.method.skip_out_of_vocab needs the target's full LM head (target_head)")
         base = base * in_draft_vocab(draft, batch, target_head)
-    streams, mask, cumulative, total = [inputs], base, None, 0.0
+    streams, mask, cumulative = [inputs], base, None
+    total: Tensor | float = 0.0
     base_count = batch.loss_mask.sum().clamp(min=1)
     metrics: dict[str, float] = {}
     for j in range(1, n_passes + 1):
@@ -273,7 +275,7 @@ def token_alignable_step(
             with torch.no_grad():
                 cumulative = next_alignment(alignment_hits(draft, P, batch.tokens, cfg.align_top_k), cumulative)
                 mask = base * alignment_mask(cumulative, cfg.mask_shift)
-    if backward and full:
+    if backward and full and isinstance(total, Tensor):
         total.backward()
     for name in own:  # "loss" and each term
         metrics[name] = sum(metrics[f"{name}_{j}"] for j in range(1, n_passes + 1)) / n_passes

@@ -204,6 +204,16 @@ def harmonized_mask(T: int, passes: int, device=None) -> Tensor:
 
 
 class GriffinDraft(nn.Module):
+    # buffers (register_buffer) and optional submodules, typed for readers and the type checker
+    embed_weight: Tensor
+    head_weight: Tensor
+    inv_freq: Tensor
+    d2t: Tensor | None
+    feature_fc: nn.Linear
+    feature_norm: RMSNorm
+    norm: RMSNorm
+    lm_head: nn.Linear
+
     def __init__(self, cfg: DraftConfig, embed_weight: Tensor, head_weight: Tensor, d2t: Tensor | None = None):
         """``embed_weight`` (V_target, D) and ``head_weight`` (V_target, D) are the target's frozen
         tensors; ``d2t`` (V_draft,) lists the target ids of a reduced draft vocabulary."""
@@ -248,7 +258,7 @@ class GriffinDraft(nn.Module):
             overrides.setdefault("draft_vocab_size", int(d2t.numel()))
         cfg = DraftConfig.from_target(target.hf_config, variant=variant, **overrides)
         draft = cls(cfg, target.embed_weight, target.head_weight, d2t)
-        final_norm = getattr(target.backbone, "norm", None)
+        final_norm: Any = getattr(target.backbone, "norm", None)
         if cfg.trainable_head and isinstance(getattr(final_norm, "weight", None), Tensor):
             with torch.no_grad():  # with the target's rows, the head starts as the target's own
                 draft.norm.weight.copy_(final_norm.weight)
@@ -267,7 +277,8 @@ class GriffinDraft(nn.Module):
                 "draft.init_layer: EAGLE-3's attention reads [e; h] (2H wide); a target layer's "
                 "reads H, so it cannot start from one. Drop draft.init_layer for this variant"
             )
-        ours, theirs, Dh = self.layer, layer, self.cfg.head_dim
+        theirs: Any = layer  # a transformers decoder layer: its submodules by name
+        ours, Dh = self.layer, self.cfg.head_dim
         group = self.cfg.num_attention_heads // (theirs.self_attn.k_proj.weight.shape[0] // Dh)  # Hq / Hk
         scale = theirs.input_layernorm.weight  # (D,): W @ (g * x) = (W * g) @ x
         pairs = [

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from griffin.config import SamplingConfig
-from griffin.decode import GenerationResult, device_time
+from griffin.results import GenerationResult, device_time
 from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
@@ -38,7 +38,7 @@ def generate_batch(
     for row in rows:
         if row.error is not None:
             raise row.error
-    return [row.result for row in rows]
+    return [row.result for row in rows if row.result is not None]  # every row has one when none failed
 
 
 @contextlib.contextmanager

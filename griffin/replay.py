@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import acceptance_length, vanilla_generate
+from griffin.decode import vanilla_generate
+from griffin.results import acceptance_length
 from griffin.model import GriffinDraft
 from griffin.rows import RowCache
 from griffin.target import TargetAdapter, decode_attention
@@ -87,10 +88,10 @@ def accepted_along(tree: DraftTree, upcoming: list[int]) -> int:
     """Draft tokens a verify accepts when the target's own tokens after the root are ``upcoming``."""
     tokens, node, depth = tree.tokens.tolist(), 0, 0
     while depth < len(upcoming):
-        node = next((c for c in tree.children[node] if tokens[c] == upcoming[depth]), None)
-        if node is None:
+        child = next((c for c in tree.children[node] if tokens[c] == upcoming[depth]), None)
+        if child is None:
             break
-        depth += 1
+        node, depth = child, depth + 1
     return depth
 
 

@@ -15,7 +15,7 @@ import contextlib
 import ctypes
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -132,6 +132,8 @@ class PreallocatedLayer(CacheLayerMixin):
     compacts the accepted tree path after verification."""
 
     is_sliding = False
+    keys: Tensor
+    values: Tensor
 
     def __init__(self, keys: Tensor, values: Tensor):
         super().__init__()
@@ -162,8 +164,10 @@ class PreallocatedLayer(CacheLayerMixin):
 
 
 class TargetCache(Cache):
+    layers: list[PreallocatedLayer]  # type: ignore[assignment]  # only ours: every layer preallocated
+
     def __init__(self, layers: list[PreallocatedLayer]):
-        super().__init__(layers=layers)
+        super().__init__(layers=cast(list[Any], layers))  # transformers types the list invariantly
 
     @property
     def length(self) -> int:
@@ -255,7 +259,7 @@ class TargetAdapter(HeadShaped):
             device_map=device_map,
             **kwargs,
         )
-        model = model if device_map is not None else model.to(device)
+        model = model if device_map is not None else model.to(device)  # type: ignore[arg-type]  # a device is one
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
         return cls(model, tokenizer, name=str(path_or_name), revision=revision, files=path)
 
@@ -303,7 +307,7 @@ class TargetAdapter(HeadShaped):
         return self.model.get_input_embeddings().weight  # (V, D)
 
     @property
-    def head_weight(self) -> Tensor:
+    def head_weight(self) -> Tensor:  # type: ignore[override]  # read-only here; HeadShaped's parts set it
         return self.lm_head.weight  # (V, D); the embedding itself when tied
 
     @property
@@ -369,6 +373,7 @@ class TargetAdapter(HeadShaped):
             from griffin.static import step_begin
 
             step_begin(self.device)
+            assert self.compiled_forward is not None, "compile_decoding() first"
             return self.compiled_forward(tokens, cache, positions, mask, all_logits, feature_layers)
         # a caller already without autograd keeps its mode: a compiled engine runs under no_grad, and
         # inference tensors from here would be inputs its compiled steps cannot take
@@ -384,7 +389,8 @@ class TargetAdapter(HeadShaped):
         all_logits: bool,
         feature_layers: tuple[int, ...] | None,
     ) -> tuple[Tensor, Tensor]:
-        if positions is None:
+        if positions is None:  # a single row: positions follow its TargetCache
+            assert isinstance(cache, TargetCache), "a griffin.rows.RowCache needs explicit positions"
             positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=self.device)
         # additive (B, 1, T, S) masks, windowed per layer kind (None: transformers builds its own)
         attn = None if mask is None else self.layout.masks(mask, positions, self.dtype)

@@ -20,6 +20,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Literal, overload
 
 CONFIG = "config.json"
 WEIGHT_LAYOUTS = (  # (single file, index), in transformers' order of preference: the one file first
@@ -35,6 +36,10 @@ def is_local(path: str) -> bool:
     return Path(path).expanduser().is_dir()
 
 
+@overload
+def locate(path: str, name: str, revision: str | None = None, optional: Literal[False] = False) -> str: ...
+@overload
+def locate(path: str, name: str, revision: str | None = None, *, optional: bool) -> str | None: ...
 def locate(path: str, name: str, revision: str | None = None, optional: bool = False) -> str | None:
     """The local path of file ``name`` of a local directory or a hub id (downloaded when not cached);
     None when ``optional`` and the target has no such file."""

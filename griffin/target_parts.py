@@ -74,7 +74,7 @@ class TargetParts(HeadShaped):
     @classmethod
     def of(cls, target: Any, layer: int | None = None) -> "TargetParts":
         """The parts of a target already in memory (a tiny target is built, not read)."""
-        layers = [None] * target.hf_config.num_hidden_layers
+        layers: list[nn.Module | None] = [None] * target.hf_config.num_hidden_layers
         if layer is not None:
             layers[layer] = target.backbone.layers[layer]
         backbone = _backbone(getattr(target.backbone, "norm", None), layers)
@@ -82,13 +82,13 @@ class TargetParts(HeadShaped):
 
 
 def _backbone(norm: nn.Module | None, layers: list[nn.Module | None]) -> nn.Module:
-    backbone = nn.Module()
+    backbone: Any = nn.Module()
     backbone.norm = norm
     backbone.layers = layers
     return backbone
 
 
-def meta_model(path: str, revision: str | None = None) -> tuple[Any, nn.Module]:
+def meta_model(path: str, revision: str | None = None) -> tuple[Any, Any]:
     """(config, model on the meta device) of a local directory or an HF hub id: the target's shapes and
     parameter names, no memory, no weights read; its family refused as loading it would refuse it."""
     config = AutoConfig.from_pretrained(path, revision=revision)
@@ -175,4 +175,4 @@ class WeightFiles:
         return out
 
     def _file(self, name: str, optional: bool = False) -> str | None:
-        return locate(self.path, name, self.revision, optional)
+        return locate(self.path, name, self.revision, optional=optional)

@@ -82,7 +82,7 @@ def train_step(
     torch.nn.utils.clip_grad_value_(draft.parameters(), cfg.grad_clip_value)
     optimizer.step()
     scheduler.step()
-    totals["lr"] = scheduler.get_last_lr()[0]
+    totals["lr"] = float(scheduler.get_last_lr()[0])
     totals["tokens"] = float(tokens)
     return totals
 

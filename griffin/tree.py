@@ -178,9 +178,16 @@ def draft_rows(
         node_features = R_l.gather(1, parents[..., None].expand(-1, -1, R_l.shape[-1]))
         node_anc = tree_rows.gather(1, parents[..., None].expand(-1, -1, tree_rows.shape[-1]))
     _drop_tree_entries(cache, stable, cache.slots.lengths[0] - stable[0])
-    pools = [torch.cat(pool, dim=1) for pool in (pool_scores, pool_tokens, pool_parents, pool_depths)]
+    scores_all, tokens_all, parents_all, depths_all = (
+        torch.cat(pool, dim=1) for pool in (pool_scores, pool_tokens, pool_parents, pool_depths)
+    )  # (B, M) each
     with record_function("griffin.draft.assemble"):
-        return [_assemble(roots[b : b + 1], *(pool[b] for pool in pools), cfg.total_tokens - 1) for b in range(B)]
+        return [
+            _assemble(
+                roots[b : b + 1], scores_all[b], tokens_all[b], parents_all[b], depths_all[b], cfg.total_tokens - 1
+            )
+            for b in range(B)
+        ]
 
 
 def _drop_tree_entries(cache, stable: list[int], written: int) -> None:

@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # training time waiting on polls. Propagated to the controller and the workers (and inherited by the
 # `griffin` subprocesses and the cluster test's nodes).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-# The decoder replicas' fault-injection flag (pipeline.serve.engine.FAULT_ENV), named before Ray starts so
+# The decoder replicas' fault-injection flag (pipeline.serve.replica.FAULT_ENV), named before Ray starts so
 # that every replica process inherits it: a test makes a replica's engine fail by writing the file. Each
 # test process (each pytest-xdist worker) names its own, so that a fault planted by one worker's test
 # never fails another worker's replicas.
@@ -112,7 +112,7 @@ LONGEST_FIRST = [
     "tests/griffin/test_compiled.py",
     "tests/pipeline/test_serve_replica_death.py",
     "tests/griffin/test_verify.py",
-    "tests/pipeline/test_serve_edge.py",
+    "tests/pipeline/test_serve_ingress.py",
     "tests/griffin/test_engine_law.py",
     "tests/pipeline/test_lock.py",
 ]

@@ -153,7 +153,7 @@ def test_what_ray_data_and_the_stage_channel_unpickle_imports_no_torch():
     import subprocess
     import sys
 
-    modules = ["pipeline.train.stream", "pipeline.train.feed", "pipeline.train.channel", "pipeline.data.layout"]
+    modules = ["pipeline.train.stream", "pipeline.train.inputs", "pipeline.train.channel", "pipeline.data.part_files"]
     probe = f"import sys; import {', '.join(modules)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -154,7 +154,7 @@ def submit(stage, address, tmp_path, *overrides):
 
 @pytest.mark.timeout(900)
 def test_featurize_and_train_jobs_use_both_nodes(two_node_cluster, tmp_path):
-    rows = "data.limit=96"  # enough rows for several blocks per rank (pipeline.train.feed.ROWS_PER_BLOCK)
+    rows = "data.limit=96"  # enough rows for several blocks per rank (pipeline.train.inputs.ROWS_PER_BLOCK)
     featurize = submit(
         "featurize", two_node_cluster, tmp_path, rows, "features.num_actors=2", "features.resources={griffin_slot: 1}"
     )
@@ -223,7 +223,7 @@ def check_each_rank_reads_its_share(audit: list[list[dict]], manifest: dict, sto
     the two together one pass over them, never the whole store each."""
     import pyarrow.parquet as pq
 
-    from pipeline.train.feed import ROWS_PER_BLOCK, feature_columns
+    from pipeline.train.inputs import ROWS_PER_BLOCK, feature_columns
 
     columns = feature_columns(manifest["capture_key"]["dtype"], layers=False)
     tables = [pq.read_table(store / part["file"], columns=columns) for part in manifest["files"]]

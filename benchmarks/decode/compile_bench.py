@@ -24,6 +24,7 @@ from griffin.decode import speculative_generate, vanilla_generate
 from griffin.engine import SpeculationPolicy
 from griffin.offline import warm_up
 from pipeline.config import load_config
+from pipeline.data.chat import render_chat
 from griffin.decode import first_divergence
 from pipeline.evaluate.report import machine_identity
 from pipeline.resources.drafts import load_draft_uri
@@ -37,12 +38,7 @@ METHODS = ["vanilla_eager", "vanilla_compiled", "griffin_eager", "griffin_compil
 def prompts(tokenizer, n: int) -> list[list[int]]:
     from pipeline.resources.questions import load_questions
 
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=True
-        )["input_ids"]
-        for q in load_questions("mt_bench", n)
-    ]
+    return [render_chat(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in load_questions("mt_bench", n)]
 
 
 def decoders(cfg, tree, sampling, new):

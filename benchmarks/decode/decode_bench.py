@@ -26,6 +26,7 @@ from griffin.decode import vanilla_generate
 from griffin.engine import SpeculationPolicy
 from griffin.offline import verify_cost
 from griffin.target import TargetAdapter
+from pipeline.data.chat import render_chat
 from pipeline.resources.questions import load_questions
 
 OUT = Path(__file__).parent
@@ -33,15 +34,7 @@ OUT = Path(__file__).parent
 
 def prompts(target, n):
     lines = load_questions("mt_bench", n)
-    return [
-        target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"]
-        for q in lines
-    ]
+    return [torch.tensor([render_chat(target.tokenizer, [{"role": "user", "content": q["turns"][0]}])]) for q in lines]
 
 
 def time_it(fn):

@@ -25,6 +25,7 @@ from griffin.decode import speculative_generate
 from griffin.engine import DecodeRequest, SpeculationPolicy
 from griffin.offline import generate_batch
 from pipeline.config import load_config
+from pipeline.data.chat import render_chat
 from pipeline.evaluate.report import machine_identity
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.questions import load_questions
@@ -36,12 +37,7 @@ DRAFT = "drafts/smollm2-135m-instruct/griffin"
 
 def prompts(target, n: int) -> list[list[int]]:
     questions = load_questions("mt_bench", n)
-    return [
-        target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=True
-        )["input_ids"]
-        for q in questions
-    ]
+    return [render_chat(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
 
 
 def timed(fn):

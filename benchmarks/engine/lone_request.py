@@ -52,6 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     from griffin.config import SamplingConfig, TreeConfig
     from pipeline.config import load_config
+    from pipeline.data.chat import render_chat
     from pipeline.evaluate.report import machine_identity
     from pipeline.resources.drafts import load_draft_uri
     from pipeline.resources.questions import load_questions
@@ -69,13 +70,7 @@ def main() -> None:
         greedy, tree = SamplingConfig(), TreeConfig(total_tokens=12, depth=3, top_k=10)
         old_greedy, old_tree = old_config.SamplingConfig(), old_config.TreeConfig(**tree.model_dump())
         prompts = [
-            torch.tensor(
-                [
-                    target.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=True
-                    )["input_ids"]
-                ]
-            )
+            torch.tensor([render_chat(target.tokenizer, [{"role": "user", "content": q["turns"][0]}])])
             for q in load_questions("mt_bench", args.prompts)
         ]
         runs = {

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pipeline.config import load_config  # noqa: E402
+from pipeline.data.chat import render_text  # noqa: E402
 from pipeline.data.regenerate import Regenerator  # noqa: E402
 from pipeline.data.sources import Ledger, load_conversations  # noqa: E402
 
@@ -39,7 +40,7 @@ def bare_generate(regenerator: Regenerator, questions: list[str], batch_size: in
     tokens = 0
     for start in range(0, len(questions), batch_size):
         texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            render_text(tokenizer, [{"role": "user", "content": q}], generation_prompt=True)
             for q in questions[start : start + batch_size]
         ]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)

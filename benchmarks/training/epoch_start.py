@@ -4,7 +4,7 @@ each from the part files and from parts held in the object store (``train.materi
 
 A local Ray (the config's CPUs), the tiny target's store of ``data.limit`` ShareGPT conversations
 (featurized under ``--out`` if it is not there yet), the training parts as training cuts them, two
-ranks reading side by side as Ray Train splits the stream (``pipeline.train.feed.data_config``), three
+ranks reading side by side as Ray Train splits the stream (``pipeline.train.inputs.data_config``), three
 epochs; two rounds, the ways alternating. An epoch's start is the wait at rank 0 between the previous
 epoch's last block and the new epoch's first. Checks that files and held parts deal each rank the same rows (one execution per epoch deals
 another round robin: each starts again at rank 0).
@@ -32,7 +32,7 @@ def read(parts, starts: list[dict]) -> tuple[list[tuple[float, int]], list[list[
     rank read."""
     import ray
 
-    from pipeline.train.feed import data_config
+    from pipeline.train.inputs import data_config
     from pipeline.train.stream import StreamStart, train_stream
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
@@ -78,7 +78,7 @@ def epoch_starts(parts, spanning: bool) -> tuple[list[float], list[list[str]]]:
 
 
 def measure(part_ids: dict[str, list[str]], eval_ids: set[str]) -> dict:
-    from pipeline.train.feed import materialized_parts, stored_parts
+    from pipeline.train.inputs import materialized_parts, stored_parts
 
     files = stored_parts(part_ids, "bf16", False, eval_ids)
     start = time.perf_counter()

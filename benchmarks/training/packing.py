@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--settings", default="2048:8192,1024:8192", help="max_len:batch_tokens, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from pipeline.train.feed import ROWS_PER_BLOCK
+    from pipeline.train.inputs import ROWS_PER_BLOCK
 
     settings = []
     for setting in args.settings.split(","):

@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from griffin.config import TreeConfig  # noqa: E402
-from griffin.decode import acceptance_length as tau, speculative_generate  # noqa: E402
+from griffin.decode import speculative_generate  # noqa: E402
+from griffin.results import acceptance_length as tau  # noqa: E402
 from griffin.replay import GREEDY, decode_reference, replay_decode  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.evaluate.report import hardware  # noqa: E402

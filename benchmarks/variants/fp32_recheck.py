@@ -7,6 +7,7 @@
 import torch
 
 from pipeline.config import load_config
+from pipeline.data.chat import render_chat
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.questions import load_questions
 from pipeline.resources.targets import load_target
@@ -20,8 +21,7 @@ def main() -> None:
     draft = load_draft_uri("outputs/smollm2-variants-griffin3/train/best", target, cfg, dtype=torch.float32)
     q = load_questions("humaneval", 1)[0]
     msgs = [{"role": "user", "content": q["turns"][0]}]
-    ids = target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    ids = torch.tensor([render_chat(target.tokenizer, msgs)])  # (1, T)
     tree = TreeConfig(total_tokens=12, depth=3, top_k=10)
     a = speculative_generate(target, draft, ids, tree, SamplingConfig(), 96)
     b = vanilla_generate(target, ids, SamplingConfig(), 96)

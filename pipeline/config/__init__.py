@@ -92,8 +92,10 @@ class RunConfig(Section):
         return self.data.model_copy(update={"source": self.regenerate.source, "limit": limit})
 
     @property
-    def tracking_uri(self) -> str:  # filled in by config_from_dict (pipeline.runtime.resolve_tracking)
-        return self.tracking.tracking_uri
+    def tracking_uri(self) -> str:
+        uri = self.tracking.tracking_uri
+        assert uri is not None, "load_config and config_from_dict fill it in (pipeline.runtime.resolve_tracking)"
+        return uri
 
     @property
     def target_slug(self) -> str:

@@ -358,7 +358,7 @@ class EvalSection(Section):
     max_new_tokens: int = Field(default=256, ge=1)
     num_questions: int | None = Field(default=None, ge=1)
     baselines: list[Literal["vanilla", "hf_generate", "hf_prompt_lookup", "hf_assisted"]] = Field(
-        default_factory=lambda: ["vanilla", "hf_generate", "hf_prompt_lookup"]
+        default=["vanilla", "hf_generate", "hf_prompt_lookup"]  # pydantic copies it for each config
     )
     assistant_model: str | None = Field(default=None, description="a smaller target with the same tokenizer")
     extra_drafts: dict[str, str] = Field(default_factory=dict, description="label -> draft URI")

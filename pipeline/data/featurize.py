@@ -28,7 +28,7 @@ from pipeline.config import RunConfig, TargetSection
 from pipeline.runtime import ensure_ray
 from pipeline.data.heldout import held_out_ids
 from pipeline.data.integrity import repair_command, repair_store, verify_store
-from pipeline.data.layout import next_index
+from pipeline.data.part_files import next_index
 from pipeline.data.parts import PartActor, PartProgress, carry, injected_faults, run_part_actors
 from pipeline.data.sources import Ledger, Sample, load_conversations
 from pipeline.resources.identity import TargetIdentity, target_fingerprint, target_identity
@@ -295,8 +295,8 @@ def prepare_samples(
 ) -> tuple[dict[str, Any], list[Sample], Ledger]:
     """Capture key, tokenized samples and the ledger; ``target``: the driver's, without its weights
     (``pipeline.resources.identity.target_identity``). Tokenizing runs on Ray Data
-    (``pipeline.data.tokenize``), spread over the cluster's CPUs."""
-    from pipeline.data.tokenize import tokenize_conversations
+    (``pipeline.data.tokenized``), spread over the cluster's CPUs."""
+    from pipeline.data.tokenized import tokenize_conversations
 
     key, ledger = capture_key(cfg, target), Ledger()
     conversations = load_conversations(cfg.training_data, ledger)

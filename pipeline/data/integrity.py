@@ -9,7 +9,7 @@ from collections import Counter
 
 import pyarrow as pa
 
-from pipeline.data.layout import file_sha256, location_fs, part_order
+from pipeline.data.part_files import file_sha256, location_fs, part_order
 from pipeline.data.store import MANIFEST, describe_part, keep_first_copies, read_manifest, write_manifest
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline import console
 from pipeline.config import RunConfig
-from pipeline.data.layout import part_name
+from pipeline.data.part_files import part_name
 from pipeline.data.store import write_manifest
 
 logger = logging.getLogger(__name__)

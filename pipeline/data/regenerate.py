@@ -30,7 +30,7 @@ import torch
 
 from pipeline import console
 from pipeline.config import RunConfig, TargetSection
-from pipeline.data.layout import next_index
+from pipeline.data.part_files import next_index
 from pipeline.data.parts import PartActor, PartProgress, injected_faults, run_part_actors
 from pipeline.data.chat import render_chat
 from pipeline.resources.identity import target_fingerprint, target_identity

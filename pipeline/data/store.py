@@ -17,6 +17,7 @@ Shape legend: T tokens, H hidden size, B batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.data.layout import (
+from pipeline.data.part_files import (
     content_name,
     file_sha256,
     join,
@@ -144,27 +145,35 @@ def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
     """Write ``table`` as ``<store>/<name>`` under a temporary dot-name, then rename it into
     place; returns the manifest entry (rows, tokens, bytes, sha256)."""
     fs, root = location_fs(store)
-    fs.create_dir(root, recursive=True)
-    tmp, final = f"{root}/.{name}.tmp-{uuid.uuid4().hex[:8]}", f"{root}/{name}"
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
-    with fs.open_output_stream(tmp) as sink:
-        pq.write_table(
-            table,
-            sink,
-            compression={k: v for k, v in _COMPRESSION.items() if k.split(".")[0] in table.column_names},
-            use_dictionary=["sample_id"],
-            write_statistics=["sample_id", "seq_len"],
-            row_group_size=max(1, (64 << 20) // row_bytes),
-        )
-    entry = {
-        "file": name,
-        "rows": table.num_rows,
-        "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
-        "bytes": fs.get_file_info(tmp).size,
-        "sha256": file_sha256(fs, tmp),
-    }
-    fs.move(tmp, final)
-    return entry
+    with _staged(fs, root, name) as tmp:
+        with fs.open_output_stream(tmp) as sink:
+            pq.write_table(
+                table,
+                sink,
+                compression={k: v for k, v in _COMPRESSION.items() if k.split(".")[0] in table.column_names},
+                use_dictionary=["sample_id"],
+                write_statistics=["sample_id", "seq_len"],
+                row_group_size=max(1, (64 << 20) // row_bytes),
+            )
+        return {
+            "file": name,
+            "rows": table.num_rows,
+            "tokens": int(pc.sum(table["seq_len"]).as_py() or 0),
+            "bytes": fs.get_file_info(tmp).size,
+            "sha256": file_sha256(fs, tmp),
+        }
+
+
+@contextlib.contextmanager
+def _staged(fs: pafs.FileSystem, root: str, name: str) -> Iterator[str]:
+    """A temporary dot-name beside ``<root>/<name>`` to write, moved into place when the block ends, so
+    readers never see half a file. Over pyarrow filesystems (object stores too), where the local
+    ``atomic_write`` cannot go; ``open_for_writing`` deletes a killed writer's leftovers."""
+    fs.create_dir(root, recursive=True)
+    tmp = f"{root}/.{name}.tmp-{uuid.uuid4().hex[:8]}"
+    yield tmp
+    fs.move(tmp, f"{root}/{name}")
 
 
 def _index_columns(store: str, name: str) -> pa.Table:
@@ -201,11 +210,8 @@ def write_manifest(store: str, manifest: dict[str, Any]) -> None:
     }
     manifest["updated"] = utc_now()
     fs, root = location_fs(store)
-    fs.create_dir(root, recursive=True)
-    tmp = f"{root}/.{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open_output_stream(tmp) as f:
+    with _staged(fs, root, MANIFEST) as tmp, fs.open_output_stream(tmp) as f:
         f.write(json.dumps(manifest, indent=1).encode())
-    fs.move(tmp, f"{root}/{MANIFEST}")
 
 
 def open_for_writing(

@@ -20,7 +20,7 @@ from typing import Any
 
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import device_time
+from griffin.results import device_time
 from griffin.engine import DecodeRequest, SpeculationPolicy
 from griffin.offline import generate_batch
 

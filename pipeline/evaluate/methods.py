@@ -174,7 +174,7 @@ def _endpoint_methods(cfg: RunConfig, draft_uri: str | None) -> tuple[dict[str, 
     import httpx
 
     from pipeline.serve.auth import client_headers
-    from pipeline.serve.decoder import public_name
+    from pipeline.serve.deployment import public_name
     from pipeline.serve.lifecycle import ensure_serving
 
     if draft_uri is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from griffin.decode import acceptance_length
+from griffin.results import acceptance_length
 from pipeline.files import atomic_write_json, atomic_write_text
 
 DEFINITIONS = {

@@ -39,7 +39,8 @@ from typing import Any, Callable
 import torch
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import acceptance_length, speculative_generate
+from griffin.decode import speculative_generate
+from griffin.results import acceptance_length
 from griffin.engine import SpeculationPolicy
 from griffin.offline import verify_cost
 from griffin.replay import GREEDY, DecodeReference, decode_reference, replay_decode

@@ -133,8 +133,14 @@ def load_draft_uri(uri: str | Path, target: TargetAdapter, cfg: RunConfig, dtype
     """Resolve, check the lineage, load bound to ``target``. Decoding processes (a pre-packed target)
     get the draft in the target's dtype, pre-packed too; ``dtype`` overrides (training: fp32)."""
     with loadable_draft(uri, cfg) as draft_dir:  # the weights are in memory once bound
-        check_lineage(draft_dir, target, str(uri))
-        draft = bind_draft(draft_dir, target, dtype=dtype or target.dtype)
+        return load_draft_dir(draft_dir, target, str(uri), dtype)
+
+
+def load_draft_dir(draft_dir: str | Path, target: TargetAdapter, source: str, dtype: torch.dtype | None = None) -> Any:
+    """A draft directory at hand (``source`` names it in errors): lineage checked, bound to ``target``,
+    in the target's dtype unless ``dtype`` says otherwise, pre-packed for a pre-packed target."""
+    check_lineage(draft_dir, target, source)
+    draft = bind_draft(draft_dir, target, dtype=dtype or target.dtype)
     if target.packed:
         draft.prepack()
     return draft

@@ -1,7 +1,7 @@
 """The Serve application: ``app_builder({"config": "jobs/configs/tiny.yaml"})`` -> Application (also
 ``serve run pipeline.serve.app:app_builder config=...``) of two deployments: ``Ingress``
 (``pipeline.serve.ingress``: the HTTP edge, no model) in front of ``SpeculativeDecoder``
-(``pipeline.serve.decoder``: the target + a GRIFFIN draft). ``pipeline.serve.lifecycle`` starts and stops
+(``pipeline.serve.deployment``: the target + a GRIFFIN draft). ``pipeline.serve.lifecycle`` starts and stops
 it (``start_serve``, ``stop_serve``, ``run_serve`` = ``griffin serve``). docs/serving.md is the user's guide.
 """
 
@@ -13,7 +13,7 @@ from ray.serve import Application
 
 from pipeline.config import RunConfig, config_from_dict, load_config
 from pipeline.serve.auth import require_key
-from pipeline.serve.decoder import SpeculativeDecoder, served_model_name
+from pipeline.serve.deployment import SpeculativeDecoder, served_model_name
 from pipeline.serve.ingress import EdgeConfig, Ingress
 
 APP_NAME = "griffin"

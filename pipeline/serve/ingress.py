@@ -1,4 +1,4 @@
-"""The HTTP edge: a light deployment (FastAPI, no model) in front of the decoder (``pipeline.serve.decoder``).
+"""The HTTP edge: a light deployment (FastAPI, no model) in front of the decoder (``pipeline.serve.deployment``).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream: true`` = server-sent events in
 OpenAI's chunk format, ending with ``data: [DONE]``), GET /v1/models, GET /health, GET /stats.

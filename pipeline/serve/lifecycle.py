@@ -12,7 +12,7 @@ from ray import serve
 from pipeline.config import RunConfig
 from pipeline.serve.app import APP_NAME, ServeArgs, app_builder
 from pipeline.serve.auth import require_key
-from pipeline.serve.decoder import served_model_name
+from pipeline.serve.deployment import served_model_name
 
 CONTROL_S = 10.0  # the ingress answers its drain calls from its event loop at once
 

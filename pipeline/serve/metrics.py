@@ -4,7 +4,7 @@ decode's ``DecodeTrace``."""
 
 from __future__ import annotations
 
-from pipeline.serve.engine import DecodeTrace
+from pipeline.serve.replica import DecodeTrace
 
 
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]

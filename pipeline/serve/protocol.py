@@ -308,7 +308,7 @@ LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
 
 class LogprobFormatter:
-    """``TokenLogprob`` entries (griffin.decode) as OpenAI ``logprobs`` objects: chat
+    """``TokenLogprob`` entries (griffin.results) as OpenAI ``logprobs`` objects: chat
     ``{"content": [{token, logprob, bytes, top_logprobs}]}`` or completions ``{tokens, token_logprobs,
     top_logprobs, text_offset}``. A token's text is its own decode (a lone byte of a multi-byte
     character reads U+FFFD; ``bytes`` are that text's UTF-8). ``offset`` keeps completions'

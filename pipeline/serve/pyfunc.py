@@ -25,11 +25,10 @@ import mlflow
 
 class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from griffin.checkpoint import load_draft
         from griffin.config import TreeConfig
         from griffin.engine import SpeculationPolicy
         from pipeline.config import TargetSection
-        from pipeline.resources.drafts import ARTIFACT_KEY, check_lineage
+        from pipeline.resources.drafts import ARTIFACT_KEY, load_draft_dir
         from pipeline.resources.targets import load_target
 
         config = context.model_config
@@ -37,11 +36,7 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
         if config.get("device"):
             section = section.model_copy(update={"device": config["device"]})
         self.target = load_target(section, decoding=True)
-        draft_dir = context.artifacts[ARTIFACT_KEY]
-        check_lineage(draft_dir, self.target, "the registered model's draft")
-        self.draft = load_draft(draft_dir, self.target, dtype=self.target.dtype)
-        if self.target.packed:  # a pre-packed target decodes with a pre-packed draft (load_draft_uri does too)
-            self.draft.prepack()
+        self.draft = load_draft_dir(context.artifacts[ARTIFACT_KEY], self.target, "the registered model's draft")
         # the rule of a replica's policy (SpeculationPolicy.tree_for): ``sampling_tree`` for T > 0 when set;
         # a version registered before it was recorded has none
         sampling_tree = TreeConfig(**config["sampling_tree"]) if config.get("sampling_tree") else None

@@ -32,7 +32,7 @@ from griffin.config import LossWindow
 from griffin.losses import ShiftedBatch, shift_batch
 from pipeline.config import TrainSection
 from pipeline.data.store import iter_rows, pad_batches, part_files, table_rows
-from pipeline.train.feed import ROWS_PER_BLOCK
+from pipeline.train.inputs import ROWS_PER_BLOCK
 from pipeline.train.stream import POSITION, first_start
 
 
@@ -257,9 +257,7 @@ class ShardFeed:
         self._rows.close()
 
     def _peek(self) -> dict | None:
-        if not self._ahead and (row := next(self._rows, None)) is not None:
-            self._ahead.append(row)
-        return self._ahead[0] if self._ahead else None
+        return next(self._lookahead(), None)
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:

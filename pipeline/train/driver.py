@@ -12,6 +12,7 @@ interrupted one from its latest checkpoint (same run name + storage path).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -33,7 +34,7 @@ from pipeline.data.integrity import require_unique_ids
 from pipeline.data.store import check_capture_key
 from pipeline.train import failures
 from pipeline.data.parts import ACTOR_START_S
-from pipeline.train.feed import (
+from pipeline.train.inputs import (
     check_online_fits,
     data_config,
     estimated_bytes,
@@ -49,7 +50,7 @@ from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.identity import target_fingerprint, target_identity
 from pipeline.resources.targets import draft_feature_layers
 from pipeline.train.channel import StageChannel
-from pipeline.train.worker import SCORE, TRAIN_STATE, train_worker
+from pipeline.train.worker import SCORE, TRAIN_STATE, StageJob, train_worker
 from pipeline.data.heldout import held_out_ids, store_part_ids
 from pipeline.train.batches import reduced_vocabulary, store_tokens
 
@@ -101,16 +102,16 @@ def _console_progress(stage: StageSection, stages: list[int]) -> Iterator[tuple[
         ray.kill(channel)
 
 
-def _trainer(cfg: RunConfig, stage: StageSection, loop_config: dict[str, Any], datasets: dict[str, Any]):
-    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, each reading its
-    split of ``datasets`` (``pipeline.train.feed``), checkpoints kept by the held-out score, resumable
+def _trainer(cfg: RunConfig, stage: StageSection, job: StageJob | None, datasets: dict[str, Any]):
+    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, given ``job``, each reading its
+    split of ``datasets`` (``pipeline.train.inputs``), checkpoints kept by the held-out score, resumable
     under the same run name and storage path."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
         train_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"job": job},
         datasets=datasets,
         dataset_config=data_config(),
         scaling_config=ScalingConfig(
@@ -182,18 +183,18 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
             mlflow.log_input(dataset, context="training", tags={"sha256": digest, "features": cfg.train.features})
             atomic_write_text(run_id_file, run.info.run_id)
     run_id = run_id_file.read_text().strip()
-    loop_config = {
-        "run": cfg.resolved(),
-        "stage": stage.model_dump(),
-        "plan": plan.model_dump(mode="json"),
-        "init_dir": init_dir,
-        "d2t": d2t,
-        "has_eval": context["inputs"]["eval"] is not None,
-        "epochs_hint": _epochs_hint(cfg, stage, context["inputs"]),
-        "mlflow_run_id": run_id,
-        "stage_dir": str(out.resolve()),
-        "provenance": {**context["provenance"], "stage": stage.stage, "train_run_id": run_id, "init_from": init_dir},
-    }
+    job = StageJob(
+        run=cfg,
+        stage=stage,
+        plan=plan,
+        init_dir=init_dir,
+        d2t=d2t,
+        has_eval=context["inputs"]["eval"] is not None,
+        epochs_hint=_epochs_hint(cfg, stage, context["inputs"]),
+        mlflow_run_id=run_id,
+        stage_dir=out.resolve(),
+        provenance={**context["provenance"], "stage": stage.stage, "train_run_id": run_id, "init_from": init_dir},
+    )
     with (
         _console_progress(stage, [s.stage for s in cfg.train.schedule]) as (progress, channel),
         # RUNNING while the workers log into it: rank 0's system metrics monitor stops when it ends
@@ -202,7 +203,7 @@ def _run_stage(cfg: RunConfig, stage: StageSection, init_dir: str | None, d2t, c
         failures.clear(out)
         check_resume_world_size(cfg, stage)
         datasets = _stage_datasets(cfg, context["inputs"], channel)
-        result = _trainer(cfg, stage, {**loop_config, "channel": channel}, datasets).fit()
+        result = _trainer(cfg, stage, dataclasses.replace(job, channel=channel), datasets).fit()
         if given_up := failures.exhausted(out, cfg.train.max_same_failures):
             raise RuntimeError(
                 f"train stage {stage.stage} stopped after the same failure {given_up['count']} times in a row "
@@ -330,7 +331,7 @@ def _online_data(cfg: RunConfig, target) -> dict[str, Any]:
 
 def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[str, Any]:
     """The stages' training parts and held-out dataset, materialized when ``train.materialize`` says so
-    (``pipeline.train.feed``), the online held-out rows always (their target actors then start once a
+    (``pipeline.train.inputs``), the online held-out rows always (their target actors then start once a
     run, not once a stage): built when the first stage to run starts, so that a rerun whose stages
     are all complete reads nothing."""
     if cfg.train.features == "online":  # never workers waiting on feature actors that cannot start

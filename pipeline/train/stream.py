@@ -1,10 +1,10 @@
 """A training stage's rows as one Ray Data stream that spans its epochs.
 
-The stream reads the stage's training parts (``pipeline.train.feed.TrainParts``) epoch after epoch:
+The stream reads the stage's training parts (``pipeline.train.inputs.TrainParts``) epoch after epoch:
 the parts in an order permuted from (seed, epoch), each part's rows shuffled from (seed, epoch, part)
 and numbered in that order. Every row carries ``epoch``, ``part`` and ``row``: its place in the stream.
 ``ROWS_PER_BLOCK``-row blocks reach the ranks through ``streaming_split(world, equal=False)``
-(``pipeline.train.feed.data_config``). The split gives each block to the rank with the fewest rows so
+(``pipeline.train.inputs.data_config``). The split gives each block to the rank with the fewest rows so
 far, and every block but the stream's last is full, so blocks are dealt round robin: rank r's rows are
 a function of the stream alone.
 
@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.parts import CARRIED
-from pipeline.train.feed import TrainParts, reblock, select_rows
+from pipeline.train.inputs import TrainParts, reblock, select_rows
 
 POSITION = ("epoch", "part", "row")  # the stream columns each row carries
 

@@ -1,4 +1,4 @@
-"""The Ray Train worker loop (docs/method.md §3): ``train_worker(config)`` rebuilds the typed config,
+"""The Ray Train worker loop (docs/method.md §3): ``train_worker`` gets the stage's ``StageJob``,
 resumes via ``ray.train.get_checkpoint()``, reads its shard of the stage's datasets
 (``pipeline.train.batches.ShardFeed``), steps with ``griffin.training.train_step``, evaluates the
 held-out score, and reports through ``ray.train.report``. Rank 0 writes the checkpoint's draft,
@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from griffin.training import (
     teacher_ids,
     train_step,
 )
-from pipeline.config import RunConfig, StageSection, config_from_dict
+from pipeline.config import RunConfig, StageSection
 from pipeline.resources.targets import load_target_parts
 from pipeline.data.store import table_rows
 from pipeline.train import failures
@@ -42,6 +43,25 @@ from pipeline.train.preemption import PreemptionWatch
 from pipeline.train.stream import first_start
 
 SCORE = "eval/sim_accept_len"
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """What the driver hands every worker of a stage, typed on both sides of the Ray hop (pickled, as
+    ``train_loop_config["job"]``): the run's config with the URIs the driver resolved, never re-read
+    from a worker's environment."""
+
+    run: RunConfig
+    stage: StageSection
+    plan: StagePlan
+    init_dir: str | None  # the draft the stage starts from (None: a fresh draft)
+    d2t: list[int] | None  # the reduced vocabulary: draft id -> target id (None: the target's own)
+    has_eval: bool  # the run holds rows out: the "eval" dataset exists
+    epochs_hint: int  # the epochs one stream execution is sized for (pipeline.train.stream)
+    mlflow_run_id: str
+    stage_dir: Path
+    provenance: dict[str, Any]  # recorded with every checkpoint's draft
+    channel: Any = None  # the stage's StageChannel actor (pipeline.train.channel)
 
 
 def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | None) -> GriffinDraft:
@@ -144,11 +164,11 @@ def ranks_mean(world: int):
     return mean
 
 
-def _eval_rows(config: dict[str, Any]) -> list[dict]:
+def _eval_rows(job: StageJob) -> list[dict]:
     """This rank's share of the held-out rows (none when the run holds none out)."""
     import ray.train
 
-    if not config["has_eval"]:
+    if not job.has_eval:
         return []
     tables = ray.train.get_dataset_shard("eval").iter_batches(batch_size=None, batch_format="pyarrow")
     return [row for table in tables for row in table_rows(table)]
@@ -182,9 +202,8 @@ def _audit(stage_dir: Path, rank: int, step: int, ids: list[list[str]], feed: Sh
 
 
 def _report_rank0(
-    config: dict[str, Any],
+    job: StageJob,
     client: Any,
-    stage: StageSection,
     step: int,
     report: dict[str, float],
     rate: float,
@@ -193,6 +212,7 @@ def _report_rank0(
     """Rank 0's step report: a log line, the driver's console line (``StageChannel``) and MLflow."""
     from mlflow.entities import Metric
 
+    stage = job.stage
     score = f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""
     loss = report["train/loss"]
     print(
@@ -200,10 +220,10 @@ def _report_rank0(
         + score,
         flush=True,
     )
-    config["channel"].update.remote(step, loss, report.get(SCORE))
+    job.channel.update.remote(step, loss, report.get(SCORE))
     now = int(time.time() * 1000)
     metrics = [Metric(k, float(v), now, step) for k, v in report.items()]
-    client.log_batch(config["mlflow_run_id"], metrics=metrics, synchronous=False)  # off the step's critical path
+    client.log_batch(job.mlflow_run_id, metrics=metrics, synchronous=False)  # off the step's critical path
 
 
 @contextmanager
@@ -230,48 +250,49 @@ def _rank0_tracking(cfg: RunConfig, run_id: str, rank: int) -> Iterator[Any]:
         mlflow.flush_async_logging()
 
 
-def train_worker(config: dict[str, Any]) -> None:
+def train_worker(config: dict[str, StageJob]) -> None:
     import ray.train
 
-    cfg = config_from_dict(config["run"])
-    rank, stage_dir = ray.train.get_context().get_world_rank(), config["stage_dir"]
+    job = config["job"]
+    cfg, stage_dir = job.run, job.stage_dir
+    rank = ray.train.get_context().get_world_rank()
     attempt, given_up = failures.start_attempt(stage_dir, rank, cfg.train.max_same_failures)
     if given_up:  # returning ends the run (raising would be retried); the driver reports why
         print(f"[train] rank {rank}: not starting: {given_up['count']} identical failures: {given_up['message']}")
         return
     at = {"checkpoint_step": 0}  # the last step saved: a failure after a newer one is not "the same" again
-    with _rank0_tracking(cfg, config["mlflow_run_id"], rank) as client:
+    with _rank0_tracking(cfg, job.mlflow_run_id, rank) as client:
         try:
-            _train(config, cfg, client, at)
+            _train(job, client, at)
         except Exception as error:
             failures.record(stage_dir, attempt, error, at["checkpoint_step"])
             raise
 
 
-def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, int]) -> None:
+def _train(job: StageJob, client: Any, at: dict[str, int]) -> None:
     import ray
     import ray.train
     import ray.train.torch
 
-    stage = StageSection(**config["stage"])
-    method, plan = cfg.train.method, StagePlan(**config["plan"])
+    cfg, stage, plan = job.run, job.stage, job.plan
+    method = cfg.train.method
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    draft, target_head = _worker_draft(cfg, config["init_dir"], config["d2t"], device)
+    draft, target_head = _worker_draft(cfg, job.init_dir, job.d2t, device)
     model = ray.train.torch.prepare_model(draft, parallel_strategy_kwargs={"broadcast_buffers": False})
     optimizer = make_optimizer(draft, method, plan)
     scheduler = make_scheduler(optimizer, method, plan)
     step, position = _restore(ray.train.get_checkpoint(), draft, optimizer, scheduler, rank)
     at["checkpoint_step"] = step
     layers = bool(draft.cfg.feature_layers)  # a multi-layer draft reads the store's feature layers
-    shard, epochs = ray.train.get_dataset_shard("train"), config["epochs_hint"]
+    shard, epochs = ray.train.get_dataset_shard("train"), job.epochs_hint
     start = position or first_start(0, epochs)
-    feed = ShardFeed(shard, rank, world, device, cfg.train, config["channel"], start, epochs)
+    feed = ShardFeed(shard, rank, world, device, cfg.train, job.channel, start, epochs)
     batches = Prefetch(feed, draft.cfg.hidden_size, method.loss_window, layers, stage.steps - step, method.grad_accum)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and fast_bf16(device))
-    eval_set = _eval_set(draft, _eval_rows(config), cfg, target_head, bf16)
-    fail_marker = Path(config["stage_dir"]) / "_injected_failure"
+    eval_set = _eval_set(draft, _eval_rows(job), cfg, target_head, bf16)
+    fail_marker = job.stage_dir / "_injected_failure"
     preemption = PreemptionWatch(cfg.train.preemption_check_every, cfg.train.debug_drain_at_step, rank)
     started, tokens_done, first_step = time.time(), 0.0, step
 
@@ -283,7 +304,7 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
         )
         step += 1
         tokens_done += metrics["tokens"] * world
-        _audit(Path(config["stage_dir"]), rank, step, ids, feed)
+        _audit(job.stage_dir, rank, step, ids, feed)
         if cfg.train.debug_fail_at_step == step and failures.injected(fail_marker, cfg.train.debug_fail_times):
             raise RuntimeError(f"injected failure at step {step} (train.debug_fail_at_step)")
         report = {f"train/{k}": v for k, v in metrics.items()}
@@ -294,14 +315,14 @@ def _train(config: dict[str, Any], cfg: RunConfig, client: Any, at: dict[str, in
         if rank == 0:
             rate = tokens_done / max(time.time() - started, 1e-9)
             eta = (time.time() - started) / (step - first_step) * (stage.steps - step)
-            _report_rank0(config, client, stage, step, report, rate, eta)
+            _report_rank0(job, client, step, report, rate, eta)
             if notice is not None:
                 print(
                     f"[train stage {stage.stage}] preemption notice ({notice}): checkpoint at step {step}", flush=True
                 )
         if do_ckpt:
             with tempfile.TemporaryDirectory() as tmp:
-                provenance = {**config["provenance"], "step": step, "metrics": report}
+                provenance = {**job.provenance, "step": step, "metrics": report}
                 _save_checkpoint(Path(tmp), draft, optimizer, scheduler, step, batches, rank, provenance)
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             at["checkpoint_step"] = step

@@ -1,5 +1,5 @@
 """griffin.checkpoint and griffin.export: strict save/load, parameter counts (docs/method.md §2.5), and each export
-layout checked slot by slot against golden upstream key tables written out by hand (not from griffin.layouts)."""
+layout checked slot by slot against golden upstream key tables written out by hand (not from griffin.export_layouts)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_parameter_count(shape, trainable):
     assert count_trainable(draft) == trainable
 
 
-# Golden upstream layouts, written out by hand from the upstream code and NOT from griffin.layouts, so
+# Golden upstream layouts, written out by hand from the upstream code and NOT from griffin.export_layouts, so
 # that a consistent mix-up of two same-shape slots in our maps (q/k, gate/up, the two fusion norms)
 # fails here instead of surviving a round trip through our own exporter and importer. Each table is
 # {upstream key: (our parameter, shape)} for the module's tiny target (MHA, as the official draft

@@ -8,7 +8,7 @@ from griffin.config import SamplingConfig
 from griffin.decode import speculative_generate
 from griffin.engine import DecodeRequest, SpeculationPolicy
 from griffin.model import GriffinDraft
-from pipeline.serve.engine import ReplicaEngine
+from pipeline.serve.replica import ReplicaEngine
 from tests.conftest import make_target
 from tests.griffin.test_compiled import TREE, compiled_graphs, compiled_twin
 

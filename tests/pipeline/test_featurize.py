@@ -14,7 +14,7 @@ from pipeline.data import store as st
 from pipeline.data.integrity import verify_store
 from pipeline.config import load_config
 from pipeline.data.featurize import FAULT_ENV, Featurizer, run_featurize
-from pipeline.data.layout import part_index
+from pipeline.data.part_files import part_index
 from pipeline.data.parts import KILL_ENV
 from pipeline.data.sources import Conversation, build_sample, clean_messages, record_id
 from pipeline.resources.identity import target_fingerprint

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from griffin.decode import GenerationResult, GenerationStats
+from griffin.results import GenerationResult, GenerationStats
 from pipeline.resources.targets import tiny_tokenizer
 from pipeline.serve.fields import REFUSED
 from pipeline.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request

@@ -11,7 +11,8 @@ import torch
 from tests.conftest import tiny_deployment
 
 from griffin.config import SamplingConfig
-from griffin.decode import GenerationResult, GenerationStats, vanilla_generate
+from griffin.decode import vanilla_generate
+from griffin.results import GenerationResult, GenerationStats
 from griffin.engine import DecodeRequest, Row
 from pipeline.data.chat import render_chat
 from pipeline.serve.protocol import completion_text
@@ -205,7 +206,7 @@ def tail(result, n_tokens, hit):
 
 
 def sse_of(engine, stops=(), max_new=1000, include_usage=False):
-    from pipeline.serve.engine import stream_rounds
+    from pipeline.serve.replica import stream_rounds
 
     text = TextStream(tiny_tokenizer(), [tiny_tokenizer().eos_token_id], list(stops))
     request = DecodeRequest([1], SamplingConfig(), max_new)
@@ -221,7 +222,7 @@ def test_an_engine_failure_fails_every_request_with_a_retryable_503(tmp_path, mo
     to hang."""
     from griffin.engine import SpeculationPolicy
     from pipeline.resources.targets import build_tiny_target
-    from pipeline.serve import engine as replica
+    from pipeline.serve import replica
     from pipeline.serve.protocol import ApiError
 
     flag = tmp_path / "fail"

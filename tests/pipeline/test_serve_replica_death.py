@@ -229,7 +229,7 @@ def test_a_replica_whose_engine_fails_answers_503_and_is_replaced(server):
     """The decoder's engine made to fail at its next round (``FAULT_ENV``, inherited by the replica from
     the suite's environment): the request gets a retryable 503, never a hang; the replica's health check
     fails on the failed engine, Serve replaces it, and the new replica answers."""
-    from pipeline.serve.engine import FAULT_ENV
+    from pipeline.serve.replica import FAULT_ENV
 
     wait_for(lambda: server.client.get("/health").status_code == 200)
     (pid,) = decoder_pids()

@@ -147,7 +147,7 @@ def test_store_iterable_splits_files_across_ranks(tmp_path):
 def test_part_names_are_content_keys_read_in_plan_order(tmp_path):
     """The same planned part is the same file; plan index 10 reads after 9 (numbers, not text), and parts
     named before content names existed read first."""
-    from pipeline.data.layout import next_index, part_name
+    from pipeline.data.part_files import next_index, part_name
 
     assert part_name(3, ["b", "a"]) == part_name(3, ["a", "b"]) != part_name(3, ["a", "c"])
     assert part_name(3, ["a"]).startswith("part-000003-") and part_name(3, ["a"]) != part_name(4, ["a"])

@@ -198,7 +198,7 @@ def test_the_same_crash_in_a_row_stops_unlimited_restarts(store, schedule_run):
         "train.debug_fail_at_step=3",
         "train.debug_fail_times=1000",  # every arrival at step 3, on any rank, raises
     )
-    failure_config = driver._trainer(cfg, cfg.train.schedule[0], {}, {}).run_config.failure_config
+    failure_config = driver._trainer(cfg, cfg.train.schedule[0], None, {}).run_config.failure_config
     assert (failure_config.max_failures, failure_config.max_preemption_failures) == (-1, -1)
     with pytest.raises(RuntimeError, match="same failure 2 times in a row") as raised:
         run_train(cfg)
@@ -252,7 +252,7 @@ def test_a_preemption_notice_saves_a_checkpoint_at_once(store, tmp_path):
 def test_an_online_stage_the_cluster_cannot_hold_is_refused_by_name(ray_local):
     """Online, the training workers and the feature actors run at once: a cluster (here the session's 6
     logical CPUs, no GPU) too small for both is refused before any actor waits, naming what is short."""
-    from pipeline.train.feed import check_online_fits
+    from pipeline.train.inputs import check_online_fits
 
     fits = load_config("jobs/configs/tiny.yaml", ["train.features=online", "train.num_workers=2"])
     check_online_fits(fits, wait_s=0)
@@ -277,7 +277,7 @@ def stream_ids(parts, start: dict, world: int = 2) -> list[list[tuple[int, str]]
 
     import ray
 
-    from pipeline.train.feed import data_config
+    from pipeline.train.inputs import data_config
     from pipeline.train.stream import StreamStart, train_stream
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
@@ -302,7 +302,7 @@ def test_the_stream_deals_every_training_row_once_an_epoch_in_a_new_order(store)
     held in the object store (``train.materialize``), every rank gets the same rows in the same order."""
     from pipeline.data.heldout import held_out_ids, store_part_ids
     from pipeline.data.store import read_manifest
-    from pipeline.train.feed import materialized_parts, stored_parts
+    from pipeline.train.inputs import materialized_parts, stored_parts
     from pipeline.train.stream import first_start
 
     _, _, store_path = store
@@ -326,7 +326,7 @@ def test_a_part_is_shuffled_whole_however_large(store, monkeypatch):
 
     from pipeline.data.heldout import store_part_ids
     from pipeline.data.store import read_manifest
-    from pipeline.train.feed import stored_parts
+    from pipeline.train.inputs import stored_parts
     from pipeline.train.stream import StreamStart, first_start, train_stream
 
     _, _, store_path = store
@@ -350,7 +350,7 @@ def test_a_stream_started_at_a_block_deals_every_rank_what_it_would_have_read(st
     part order and each part's shuffle included; mid-part and mid-epoch."""
     from pipeline.data.heldout import store_part_ids
     from pipeline.data.store import read_manifest
-    from pipeline.train.feed import stored_parts
+    from pipeline.train.inputs import stored_parts
     from pipeline.train.stream import first_start
 
     _, _, store_path = store
@@ -374,7 +374,7 @@ def test_a_feed_crosses_executions_and_resumes_across_them(store):
     from pipeline.data.heldout import store_part_ids
     from pipeline.data.store import read_manifest
     from pipeline.train.batches import Prefetch, ShardFeed
-    from pipeline.train.feed import data_config, stored_parts
+    from pipeline.train.inputs import data_config, stored_parts
     from pipeline.train.stream import StreamStart, first_start, train_stream
 
     root, data, store_path = store
@@ -450,7 +450,7 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
     from pipeline.data.heldout import store_part_ids
     from pipeline.data.store import read_manifest
     from pipeline.train import batches
-    from pipeline.train.feed import data_config, stored_parts
+    from pipeline.train.inputs import data_config, stored_parts
     from pipeline.train.stream import StreamStart, first_start, train_stream
 
     monkeypatch.setattr(batches, "DRIFT_ROWS", 0)  # any gap: this small stream barely drifts
@@ -520,7 +520,7 @@ def places_of_rank0_blocks(parts, start: dict) -> list[dict]:
 
     import ray
 
-    from pipeline.train.feed import data_config
+    from pipeline.train.inputs import data_config
     from pipeline.train.stream import POSITION, StreamStart, train_stream
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
@@ -547,7 +547,7 @@ def test_held_out_rows_are_read_from_their_own_parts(store):
     import ray
 
     from pipeline.data.heldout import held_out_ids, heldout_parts, store_part_ids
-    from pipeline.train.feed import stored_eval, stored_parts
+    from pipeline.train.inputs import stored_eval, stored_parts
     from pipeline.train.stream import StreamStart, first_start, train_stream
 
     _, _, store_path = store
@@ -571,7 +571,7 @@ def test_held_out_rows_are_read_from_their_own_parts(store):
 def test_materialize_auto_holds_what_fits_a_quarter_of_the_object_store(ray_local):
     import ray
 
-    from pipeline.train.feed import should_materialize
+    from pipeline.train.inputs import should_materialize
 
     room = ray.cluster_resources()["object_store_memory"]
     assert should_materialize("auto", int(0.25 * room)) and not should_materialize("auto", int(0.26 * room))

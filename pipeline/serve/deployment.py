@@ -1,4 +1,4 @@
-"""The decoding deployment: the target + a GRIFFIN draft, one decode at a time. It has no HTTP of its
+"""The decoding deployment: the target + a GRIFFIN draft, decoding its requests together. It has no HTTP of its
 own: ``pipeline.serve.ingress`` (the HTTP edge) calls it through a streaming ``DeploymentHandle``, so
 the ingress outlives a decoder replica that dies and can tell that replica's clients.
 
@@ -11,12 +11,12 @@ target verification passes, accepted draft tokens, acceptance length tau = sum(a
 comparisons through the endpoint. Bad input -> a 4xx ``Reply`` naming the field, never a 500; the
 replica keeps serving. docs/serving.md is the user's guide (bad-input table, config knobs, metrics).
 
-Decoding is batch 1: a replica decodes one request at a time under a lock, in a worker thread, so the
-event loop stays free for ``health`` and queued requests; scale with replicas or autoscaling. Admission
-is the ingress's (``relay.Admission``): it sends a replica ``serve.max_ongoing_requests`` completions
-(one decoding, the rest queued on the lock, first come first served) and sheds the rest; parsing and
-tokenization run in worker threads.
-Streams are live: the decode's per-round ``on_tokens`` callback detokenizes in the worker and hands text
+A replica decodes up to ``serve.max_batch`` requests together in one batching engine, in a thread of
+its own (``pipeline.serve.replica``), so the event loop stays free for ``health`` and queued requests;
+scale further with replicas or autoscaling. Admission is the ingress's (``relay.Admission``): it sends a
+replica ``serve.max_ongoing_requests`` completions (up to ``max_batch`` decoding, the rest waiting for a
+slot, first come first served) and sheds the rest; parsing and tokenization run in worker threads.
+Streams are live: the decode's per-round ``on_tokens`` callback detokenizes in the engine thread and hands text
 deltas to the event loop, which yields each as a chunk at once. A stop sequence, or the ingress
 cancelling the call (its client went away, Serve's request timeout) ends the decode at its next round;
 a request cancelled while queued never decodes. Metrics: ``ServeMetrics`` (Prometheus through Ray).
@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from ray import serve
 
-from griffin.decode import GenerationResult, LogprobRecorder
+from griffin.results import GenerationResult, LogprobRecorder
 from griffin.engine import SpeculationPolicy
 from pipeline.config import RunConfig, config_from_dict
-from pipeline.serve.engine import (
+from pipeline.serve.replica import (
     DecodeTrace,
     Job,
     ReplicaEngine,

@@ -18,7 +18,7 @@ from typing import Any
 
 from griffin.capacity import check_rows_fit
 from griffin.config import SamplingConfig
-from griffin.decode import GenerationResult, LogprobRecorder
+from griffin.results import GenerationResult, LogprobRecorder
 from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter

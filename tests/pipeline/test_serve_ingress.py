@@ -16,7 +16,7 @@ from tests.conftest import first_content, tiny_deployment
 
 from pipeline.config import load_config
 from pipeline.serve.auth import KeyCheck, client_headers, key_digest, require_key
-from pipeline.serve.decoder import public_name
+from pipeline.serve.deployment import public_name
 from pipeline.serve.relay import Admission, Call
 
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"

@@ -25,7 +25,8 @@ import torch
 from tests.conftest import OracleDraft, first_content, make_target, tiny_deployment
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.decode import LogprobRecorder, speculative_generate, vanilla_generate
+from griffin.decode import speculative_generate, vanilla_generate
+from griffin.results import LogprobRecorder
 from griffin.model import GriffinDraft
 from pipeline.data.chat import encode, render_chat
 from pipeline.resources.targets import tiny_tokenizer
@@ -134,7 +135,7 @@ def test_plain_chats_render_as_before():
 
 
 def test_wedged_decode_fails_the_health_check():
-    from pipeline.serve.engine import DecodeTrace, check_progress
+    from pipeline.serve.replica import DecodeTrace, check_progress
 
     trace = DecodeTrace(arrived=0.0, max_new=8, speculative=True, stream=False)
     check_progress(None, 10.0)  # idle: healthy

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from pipeline.config import RunConfig
 from pipeline.data.heldout import heldout_parts
-from pipeline.data.layout import parts_dataset
+from pipeline.data.part_files import parts_dataset
 from pipeline.data.parts import carry
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
