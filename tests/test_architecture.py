@@ -146,6 +146,12 @@ def test_library_modules_and_functions_stay_small(path):
     assert not long, f"{path.relative_to(REPO)}: {long}"
 
 
+def test_the_readme_stays_a_front_door():
+    """README.md is read first: at most 150 lines; the detail lives in docs/ and benchmarks/."""
+    lines = (REPO / "README.md").read_text().count("\n")
+    assert lines <= 150, f"README.md has {lines} lines: move detail to docs/ or benchmarks/"
+
+
 def test_what_ray_data_and_the_stage_channel_unpickle_imports_no_torch():
     """A training stage's Ray Data processes (split coordinators, dataset managers, read tasks) and its
     channel actor import the modules of the functions and class they run: neither torch nor

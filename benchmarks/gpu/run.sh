@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# All the GPU work, prepared here and run there in as few device calls as possible (docs/scaling.md,
-# "Running on a GPU"). The GPU machine has PyTorch + CUDA but no package index, and a call carries at
-# most 64 MiB, so what it lacks travels as checked parts (benchmarks/gpu/stage.py).
+# All the GPU work, prepared here and run there in as few calls as possible (docs/scaling.md §8,
+# "Running on a GPU host"). A host with PyTorch + CUDA but no package index gets what it lacks as
+# checked parts of limited size (benchmarks/gpu/stage.py).
 #
 #   benchmarks/gpu/run.sh stage      here: wheels + data -> .gpu/parts (part-NN + MANIFEST.json), the call plan
 #   benchmarks/gpu/run.sh receive    there, every call: the carried .gpu/parts into $STAGE (outlives the call
