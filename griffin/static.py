@@ -86,6 +86,27 @@ def step_begin(device: torch.device) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
+def graph_counts(device: torch.device) -> dict[str, int]:
+    """CUDA graphs recorded so far by this thread (a graph tree per thread and device) and the
+    compiles that fell back from CUDA graphs ("skipping cudagraphs"); zeros off CUDA. After warm-up a
+    request should record none: a new one is a shape that the buckets did not cover."""
+    from torch._dynamo.utils import counters
+
+    skipped = int(counters["inductor"]["cudagraph_skips"])
+    if device.type != "cuda":
+        return {"recorded": 0, "skipped": skipped}
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    nodes = [node for roots in (manager.roots.values() if manager else ()) for node in roots]
+    recorded = 0
+    while nodes:  # every node of the tree is one recorded graph
+        node = nodes.pop()
+        recorded += 1
+        nodes += [child for children in node.children.values() for child in children]
+    return {"recorded": recorded, "skipped": skipped}
+
+
 def decode_mode(compiled: bool) -> contextlib.AbstractContextManager:
     """The autograd mode a decode runs in: ``no_grad`` around compiled steps, else ``inference_mode``."""
     return torch.no_grad() if compiled else torch.inference_mode()

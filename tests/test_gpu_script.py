@@ -97,3 +97,9 @@ def test_dry_run_receives_each_part_installs_and_runs_the_steps(tmp_path):
     if not torch.cuda.is_available():  # without CUDA every gpu test skips; with it they run (and must pass)
         assert tests["skipped"] == tests["tests"], tests
     assert {g["measure"] for g in record["goals"]} >= {"griffin run through Ray on the GPU completes"}
+
+    # a step that overruns its time limit is stopped, and results still runs
+    overrun = {**env, "DRY": "1", "STEPS": "smoke", "LIMIT_SMOKE_S": "1"}
+    subprocess.run(["bash", "benchmarks/gpu/run.sh", "all"], cwd=ROOT, env=overrun, capture_output=True, text=True)
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["rc"]) for s in steps] == [("smoke", 124), ("results", 0)]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from griffin.config import TreeConfig
+from griffin.static import graph_counts
 from griffin.target import TargetAdapter
 from pipeline.config import load_config
 from pipeline.evaluate.evaluate import _warm_up, evaluate_dataset
@@ -102,6 +103,7 @@ def run_phase(
     started = time.monotonic()
     _warm_up(methods, compiled, cfg, {"griffin": draft})  # captures the compiled steps, then each method once
     warm_up_s = time.monotonic() - started
+    warm_graphs = graph_counts(compiled.device)  # after warm-up a request should record no CUDA graph
     deadline = time.monotonic() + seconds  # the phase's share counts decoding, not loading and compiling
     records, done = [], {name: 0 for name in questions}
     for index in range(max(len(items) for items in questions.values())):  # alternate the datasets
@@ -111,6 +113,14 @@ def run_phase(
             seeded = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"seed": cfg.eval.seed + index})})
             records += evaluate_dataset(name, [items[index]], temperature, rotated(methods, index), seeded, target)
             done[name] += 1
+    graphs = graph_counts(compiled.device)
+    graphs = {
+        "after_warm_up": warm_graphs["recorded"],
+        "recorded_while_decoding": graphs["recorded"] - warm_graphs["recorded"],
+        "question_turns_decoded": len(records),
+        "skipped_cudagraphs": graphs["skipped"],
+    }
+    print(f"[{dtype} T={temperature:g}] CUDA graphs: {graphs}", flush=True)
     report = summarize(records, list(methods), cfg, target, DRAFT) if records else {"results": {}}
     for row in records:
         row.pop("text", None)
@@ -121,6 +131,7 @@ def run_phase(
         "dtype": dtype,
         "temperature": temperature,
         "warm_up_s": round(warm_up_s, 1),
+        "cuda_graphs": graphs,
         "trees": {m: (tree.total_tokens, tree.depth, tree.top_k) for m in ("griffin", "griffin_eager")},
         "questions_done": done,
         "results": report["results"],

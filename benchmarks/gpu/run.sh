@@ -12,11 +12,17 @@
 #
 # The steps of `all`, in priority order (STEPS picks some; each logs to $OUT/<step>.log):
 #   install   check every part's sha256, join, unpack, pip install --no-index --no-deps into $STAGE/site
+#   smoke     does the compiler work here: a reduce-overhead compile of a tiny function, a compiled decode of
+#             the tiny target == eager, the CUDA graphs it recorded (benchmarks/gpu/smoke.py, $OUT/smoke.json)
 #   tests     the gpu-marked tests (tests/test_gpu.py), junit in $OUT
-#   pipeline  griffin run -c jobs/configs/smollm2-gpu.yaml through a local Ray on the GPU, timed per stage
+#   pipeline  griffin run -c jobs/configs/smollm2-gpu.yaml through a local Ray on the GPU, timed per stage, with
+#             the serving policy measured at batch 1 only (decode.tune_batches=[1]) to fit its time limit
 #   decode    benchmarks/gpu/gpu_decode.py with the tree tune-tree picked: compiled vs eager, bf16 vs fp32, T=0/1
 #   drafts    the long-budget HASS, EAGLE-2, EAGLE-3 and GRIFFIN-3 drafts (smollm2-long.yaml), while time is left
 #   results   $OUT/gpu.json and gpu.md: the machine, date, torch and every figure (benchmarks/gpu/results.py)
+# Each step has a time limit of its own (LIMIT_<STEP>_S, e.g. LIMIT_PIPELINE_S=480), so a step that overruns
+# is stopped (rc 124) and the later ones, results above all, still run. Compiles are cached under
+# $STAGE/inductor (TORCHINDUCTOR_CACHE_DIR): a later step, or a later call on the same machine, reuses them.
 # Env: OUT (default outputs/gpu), STAGE (default /tmp/griffin-gpu), GPU_DIR (default .gpu), STEPS, TREE
 # (the decode step's tree, total/depth/top_k; default: the pipeline's tune-tree pick, else 60/6/10),
 # BUDGET_S (the decode step's seconds, default 240), DRAFT_BUDGET_S (default 0: no drafts), PY
@@ -30,13 +36,14 @@ STAGE=${STAGE:-/tmp/griffin-gpu}
 GPU_DIR=${GPU_DIR:-.gpu}  # the staged parts, here (ignored by git: carried by name)
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}  # there: the image's python3
 DRY=${DRY:-0}
-STEPS="${STEPS:-install tests pipeline decode drafts} results"  # results always: each lease writes its gpu.json
+STEPS="${STEPS:-install smoke tests pipeline decode drafts} results"  # results always: each run writes its gpu.json
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
 config_overrides() {  # one override a line: the pipeline on the GPU reads the carried ShareGPT subset;
   # a dry run cuts every size down, on the CPU
   printf '%s\n' "data.source=$STAGE/bundle/data/sharegpt.json" "output_dir=$OUT/pipeline"
+  [ "$DRY" = 1 ] || printf '%s\n' "decode.tune_batches=[1]"  # the batch-8 policy: ~2 minutes of compiles more
   [ "$DRY" = 1 ] && printf '%s\n' target.device=cpu target.dtype=auto features.gpus_per_actor=0 \
     train.use_gpu=false train.precision=auto serve.num_gpus=0 serve.max_batch=4 serve.max_ongoing_requests=4 \
     cluster.num_cpus=4 data.limit=12 "train.schedule=[{stage: 3, steps: 2, lr: 0.00002}]" train.eval_every=2 \
@@ -45,13 +52,15 @@ config_overrides() {  # one override a line: the pipeline on the GPU reads the c
   return 0
 }
 
-step() {  # step NAME COMMAND...: run it, log it, time it; a failed step does not stop the later ones
-  local name=$1
-  shift
+step() {  # step NAME LIMIT_S COMMAND...: run it under its time limit (LIMIT_<NAME>_S overrides), log it, time
+  # it; a failed or stopped step does not stop the later ones
+  local name=$1 override="LIMIT_${1^^}_S"
+  local limit=${!override:-$2}
+  shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-  echo "=== $name ($(date -u +%H:%M:%S)) ==="
+  echo "=== $name ($(date -u +%H:%M:%S), at most $limit s) ==="
   local start=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}" >> "$OUT/steps.jsonl"
   echo "=== $name: rc $rc in $((SECONDS - start)) s ==="
@@ -66,20 +75,22 @@ tuned_tree() {  # the tree the pipeline's tune-tree picked, as total/depth/top_k
 run_all() {
   rm -f "$OUT/steps.jsonl"
   export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  export TORCHINDUCTOR_CACHE_DIR="$STAGE/inductor"
   local device=cuda questions=8 new=128 budget=${BUDGET_S:-240} phases=4
   if [ "$DRY" = 1 ]; then device=cpu questions=1 new=16 budget=60 phases=1; fi
-  step install $PY benchmarks/gpu/stage.py install "$STAGE"
-  step tests $PY -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --timeout 300 --junitxml "$OUT/gpu_tests.xml"
+  step install 240 $PY benchmarks/gpu/stage.py install "$STAGE"
+  step smoke 300 $PY benchmarks/gpu/smoke.py --out "$OUT" --device "$device"
+  step tests 420 $PY -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --timeout 300 --junitxml "$OUT/gpu_tests.xml"
   local overrides
   mapfile -t overrides < <(config_overrides)
-  step pipeline $PY -m pipeline.cli run -c jobs/configs/smollm2-gpu.yaml "${overrides[@]}"
-  step decode $PY benchmarks/gpu/gpu_decode.py --out "$OUT" --device "$device" --tree "${TREE:-$(tuned_tree)}" \
+  step pipeline 540 $PY -m pipeline.cli run -c jobs/configs/smollm2-gpu.yaml "${overrides[@]}"
+  step decode $((budget + 300)) $PY benchmarks/gpu/gpu_decode.py --out "$OUT" --device "$device" --tree "${TREE:-$(tuned_tree)}" \
     --questions "$questions" --new "$new" --budget-s "$budget" --phases "$phases"
   if [ "${DRAFT_BUDGET_S:-0}" != 0 ]; then
-    step drafts $PY benchmarks/gpu/long_drafts.py --out "$OUT/drafts" --device "$device" --budget-s "$DRAFT_BUDGET_S" \
+    step drafts $((DRAFT_BUDGET_S + 300)) $PY benchmarks/gpu/long_drafts.py --out "$OUT/drafts" --device "$device" --budget-s "$DRAFT_BUDGET_S" \
       --data "$STAGE/bundle/data/sharegpt.json"
   fi
-  step results $PY benchmarks/gpu/results.py "$OUT"
+  step results 120 $PY benchmarks/gpu/results.py "$OUT"
 }
 
 case "${1:-}" in
