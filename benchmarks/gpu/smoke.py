@@ -49,7 +49,9 @@ def tiny_function(device: torch.device) -> dict:
 
 def tiny_decode(device: torch.device) -> dict:
     """The tiny target's compiled decode against its eager decode, vanilla and speculative (fp32)."""
-    cfg = load_config(ROOT / "jobs/configs/tiny.yaml", [f"target.device={device}", "target.dtype=float32", "target.prepack=false"])
+    cfg = load_config(
+        ROOT / "jobs/configs/tiny.yaml", [f"target.device={device}", "target.dtype=float32", "target.prepack=false"]
+    )
     eager = load_target(cfg.target, decoding=True)
     compiled = TargetAdapter(eager.model, eager.tokenizer, name=eager.name)
     compiled.compile_decoding()
