@@ -35,10 +35,13 @@ def generate_batch(
     with engine_for(target, draft, policy, max_rows or len(requests)) as engine:
         rows = [engine.submit(request) for request in requests]
         engine.run_until_idle()
+    results = []
     for row in rows:
         if row.error is not None:
             raise row.error
-    return [row.result for row in rows if row.result is not None]  # every row has one when none failed
+        assert row.result is not None, "an idle engine has finished every row"
+        results.append(row.result)
+    return results
 
 
 @contextlib.contextmanager

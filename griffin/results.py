@@ -120,7 +120,8 @@ def append_tokens(
         if len(out) >= max_new_tokens:
             reason = "length"
             break
-    if recorder is not None and scores is not None:
+    if recorder is not None:
+        assert scores is not None, "a decode that records log-probabilities passes each round's scores"
         recorder.entries += scores(recorder)[: len(out) - start]
     if on_tokens is not None:
         on_tokens(out[start:])

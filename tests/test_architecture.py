@@ -153,13 +153,14 @@ def test_the_readme_stays_a_front_door():
 
 
 def test_what_ray_data_and_the_stage_channel_unpickle_imports_no_torch():
-    """A training stage's Ray Data processes (split coordinators, dataset managers, read tasks) and its
-    channel actor import the modules of the functions and class they run: neither torch nor
+    """A training stage's Ray Data processes (split coordinators, dataset managers, read tasks), its
+    channel actor and whatever unpickles its job import the modules of the functions and classes they run: neither torch nor
     transformers, each of which costs seconds of CPU in every such process."""
     import subprocess
     import sys
 
     modules = ["pipeline.train.stream", "pipeline.train.inputs", "pipeline.train.channel", "pipeline.data.part_files"]
+    modules.append("pipeline.train.job")  # the stage's job, unpickled by Ray Train's controller
     probe = f"import sys; import {', '.join(modules)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -103,3 +103,8 @@ def test_dry_run_receives_each_part_installs_and_runs_the_steps(tmp_path):
     subprocess.run(["bash", "benchmarks/gpu/run.sh", "all"], cwd=ROOT, env=overrun, capture_output=True, text=True)
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [("smoke", 124), ("results", 0)]
+    # under DEADLINE_S a step with no time left is not started; results still runs
+    late = {**env, "DRY": "1", "STEPS": "smoke", "DEADLINE_S": "60"}
+    subprocess.run(["bash", "benchmarks/gpu/run.sh", "all"], cwd=ROOT, env=late, capture_output=True, text=True)
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["rc"], s["seconds"]) for s in steps][0] == ("smoke", 124, 0) and steps[1]["rc"] == 0

@@ -117,7 +117,7 @@ def run_phase(
     graphs = {
         "after_warm_up": warm_graphs["recorded"],
         "recorded_while_decoding": graphs["recorded"] - warm_graphs["recorded"],
-        "question_turns_decoded": len(records),
+        "compiled_requests": sum(r["method"] in ("griffin", "vanilla") for r in records),
         "skipped_cudagraphs": graphs["skipped"],
     }
     print(f"[{dtype} T={temperature:g}] CUDA graphs: {graphs}", flush=True)

@@ -66,11 +66,11 @@ def decode_figures(decode: dict) -> dict:
     return figures
 
 
-def graphs_per_turn(decode: dict) -> float | None:
-    """CUDA graphs the compiled methods recorded while decoding (after warm-up), per question turn."""
+def graphs_per_request(decode: dict) -> float | None:
+    """CUDA graphs the compiled methods recorded while decoding (after warm-up), per request they decoded."""
     counts = [phase["cuda_graphs"] for phase in decode.get("phases", []) if phase.get("cuda_graphs")]
-    turns = sum(c["question_turns_decoded"] for c in counts)
-    return sum(c["recorded_while_decoding"] for c in counts) / turns if turns else None
+    requests = sum(c["compiled_requests"] for c in counts)
+    return sum(c["recorded_while_decoding"] for c in counts) / requests if requests else None
 
 
 def read_smoke(out: Path) -> dict | None:
@@ -115,7 +115,7 @@ def collect(out: Path) -> dict:
     decode_path = out / "gpu_decode.json"
     decode = json.loads(decode_path.read_text()) if decode_path.exists() else {}
     pipeline, smoke = read_pipeline(out), read_smoke(out)
-    figures, graphs = decode_figures(decode), graphs_per_turn(decode)
+    figures, graphs = decode_figures(decode), graphs_per_request(decode)
     return {
         "date": time.strftime("%Y-%m-%d"),
         "device": decode.get("device_name") or "device unknown (no decode step)",

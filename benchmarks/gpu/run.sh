@@ -21,7 +21,8 @@
 #   drafts    the long-budget HASS, EAGLE-2, EAGLE-3 and GRIFFIN-3 drafts (smollm2-long.yaml), while time is left
 #   results   $OUT/gpu.json and gpu.md: the machine, date, torch and every figure (benchmarks/gpu/results.py)
 # Each step has a time limit of its own (LIMIT_<STEP>_S, e.g. LIMIT_PIPELINE_S=480), so a step that overruns
-# is stopped (rc 124) and the later ones, results above all, still run. Compiles are cached under
+# is stopped (rc 124; 137 if it ignored SIGTERM for 20 s) and the later ones, results above all, still run.
+# DEADLINE_S (seconds from the start of `all`) cuts every limit to what is left, keeping 90 s for results. Compiles are cached under
 # $STAGE/inductor (TORCHINDUCTOR_CACHE_DIR): a later step, or a later call on the same machine, reuses them.
 # Env: OUT (default outputs/gpu), STAGE (default /tmp/griffin-gpu), GPU_DIR (default .gpu), STEPS, TREE
 # (the decode step's tree, total/depth/top_k; default: the pipeline's tune-tree pick, else 60/6/10),
@@ -58,6 +59,15 @@ step() {  # step NAME LIMIT_S COMMAND...: run it under its time limit (LIMIT_<NA
   local limit=${!override:-$2}
   shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  if [ -n "${DEADLINE_S:-}" ] && [ "$name" != results ]; then  # what is left, less a minute and a half for results
+    local left=$((DEADLINE_S - (SECONDS - RUN_START) - 90))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -le 0 ]; then
+      echo "=== $name: skipped, no time left before DEADLINE_S ==="
+      echo "{\"step\": \"$name\", \"rc\": 124, \"seconds\": 0}" >> "$OUT/steps.jsonl"
+      return 0
+    fi
+  fi
   echo "=== $name ($(date -u +%H:%M:%S), at most $limit s) ==="
   local start=$SECONDS
   timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -73,6 +83,7 @@ tuned_tree() {  # the tree the pipeline's tune-tree picked, as total/depth/top_k
 }
 
 run_all() {
+  RUN_START=$SECONDS
   rm -f "$OUT/steps.jsonl"
   export PYTHONPATH="$STAGE/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   export TORCHINDUCTOR_CACHE_DIR="$STAGE/inductor"

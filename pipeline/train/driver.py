@@ -50,7 +50,8 @@ from pipeline.resources.drafts import check_lineage, resolve_draft
 from pipeline.resources.identity import target_fingerprint, target_identity
 from pipeline.resources.targets import draft_feature_layers
 from pipeline.train.channel import StageChannel
-from pipeline.train.worker import SCORE, TRAIN_STATE, StageJob, train_worker
+from pipeline.train.job import StageJob
+from pipeline.train.worker import SCORE, TRAIN_STATE, train_worker
 from pipeline.data.heldout import held_out_ids, store_part_ids
 from pipeline.train.batches import reduced_vocabulary, store_tokens
 

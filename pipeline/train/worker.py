@@ -15,7 +15,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import torch
 from torch import Tensor
 
 from griffin.checkpoint import load_draft, save_draft, tensors_sha256
-from griffin.config import StagePlan
 from griffin.model import GriffinDraft
 from griffin.target import fast_bf16, release_freed_memory
 from griffin.training import (
@@ -34,34 +32,16 @@ from griffin.training import (
     teacher_ids,
     train_step,
 )
-from pipeline.config import RunConfig, StageSection
+from pipeline.config import RunConfig
 from pipeline.resources.targets import load_target_parts
 from pipeline.data.store import table_rows
 from pipeline.train import failures
 from pipeline.train.batches import Prefetch, ShardFeed, shifted_batches
 from pipeline.train.preemption import PreemptionWatch
+from pipeline.train.job import StageJob
 from pipeline.train.stream import first_start
 
 SCORE = "eval/sim_accept_len"
-
-
-@dataclass(frozen=True)
-class StageJob:
-    """What the driver hands every worker of a stage, typed on both sides of the Ray hop (pickled, as
-    ``train_loop_config["job"]``): the run's config with the URIs the driver resolved, never re-read
-    from a worker's environment."""
-
-    run: RunConfig
-    stage: StageSection
-    plan: StagePlan
-    init_dir: str | None  # the draft the stage starts from (None: a fresh draft)
-    d2t: list[int] | None  # the reduced vocabulary: draft id -> target id (None: the target's own)
-    has_eval: bool  # the run holds rows out: the "eval" dataset exists
-    epochs_hint: int  # the epochs one stream execution is sized for (pipeline.train.stream)
-    mlflow_run_id: str
-    stage_dir: Path
-    provenance: dict[str, Any]  # recorded with every checkpoint's draft
-    channel: Any = None  # the stage's StageChannel actor (pipeline.train.channel)
 
 
 def _init_draft(cfg: RunConfig, target, init_dir: str | None, d2t: list[int] | None) -> GriffinDraft:

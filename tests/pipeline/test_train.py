@@ -173,8 +173,9 @@ def test_a_restarted_group_replays_its_rows_and_the_same_crash_in_a_row_stops(st
     bounded by ``train.max_same_failures``: the same error from the same checkpoint twice, and the
     third attempt's workers refuse to start; the driver says which error. Both ranks raise each time,
     and each attempt still counts once. The restart (Ray Train's FailureConfig) resumes from the step-2
-    checkpoint and replays step 3 on the same rows; a rerun resumes from it too and ends with the
-    uninterrupted run's (the schedule run's stage 1) weights, optimizer and data position, bit for bit."""
+    checkpoint and replays step 3 on the same rows. A rerun resumes from it too, is restarted once more
+    in the run, and ends with the uninterrupted run's (the schedule run's stage 1) weights, optimizer and
+    data position, bit for bit."""
     from pipeline.train import driver, failures
 
     cfg = train_cfg(
@@ -200,11 +201,18 @@ def test_a_restarted_group_replays_its_rows_and_the_same_crash_in_a_row_stops(st
         first, replayed = (r["sample_ids"] for r in records if r["step"] == 3)
         assert first == replayed and first
 
-    # a rerun is someone's decision to try again: the count starts afresh, and with the fault gone it finishes
-    fixed = train_cfg(store, "same-crash", "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]", "train.max_failures=-1")
+    # a rerun is someone's decision to try again: the count starts afresh. It resumes from the step-2
+    # checkpoint; one crash at step 4 (one rank, before the step's checkpoint) restarts the group from it
+    # again, and the stage finishes
+    (stage_dir(cfg, 1) / "_injected_failure").unlink()  # the hook's count of the injections so far
+    schedule = "train.schedule=[{stage: 1, steps: 4, lr: 0.002}]"
+    fixed = train_cfg(store, "same-crash", schedule, "train.max_failures=-1", "train.debug_fail_at_step=4")
     run_train(fixed)
-    assert (stage_dir(fixed, 1) / "_complete.json").exists() and failures.read(stage_dir(fixed, 1)) is None
-    # a run that failed outright and is rerun resumes from its checkpoint: it ends as the uninterrupted run
+    log = [json.loads(x)["step"] for x in (stage_dir(cfg, 1) / "data_rank0.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 3, 3, 4, 3, 4] and (stage_dir(fixed, 1) / "_complete.json").exists()
+    ledger = failures.read(stage_dir(fixed, 1))
+    assert ledger["count"] == 1 and "injected failure at step 4" in ledger["message"]
+    # restarted in the run and rerun after it failed outright, it ends as the uninterrupted run, bit for bit
     ours, theirs = (last_checkpoint(c.run_dir, c.run_name, 1) for c in (fixed, schedule_run[0]))
     assert_same_train_state(ours, theirs, world=2)
 
