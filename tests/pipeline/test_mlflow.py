@@ -151,7 +151,8 @@ def test_worker_logging_recipe(tmp_path, monkeypatch):
     elsewhere = tmp_path / "worker-default.db"  # where a worker's own environment would point MLflow
     with mlflow.start_run(run_name="tiny-stage1", log_system_metrics=False) as run:  # the driver's, RUNNING
         run_id = run.info.run_id
-        config = {"mlflow_run_id": run_id, "channel": SimpleNamespace(update=SimpleNamespace(remote=progress.update))}
+        channel = SimpleNamespace(update=SimpleNamespace(remote=progress.update))
+        job = SimpleNamespace(mlflow_run_id=run_id, channel=channel, stage=stage)  # the StageJob fields it reads
         with _rank0_tracking(cfg, run_id, rank=1) as client:
             assert client is None  # other ranks log nothing
         for attempt in ((1, 2, 3, 4), (5, 6)):  # the second: a worker restarted from the step-4 checkpoint
@@ -160,7 +161,7 @@ def test_worker_logging_recipe(tmp_path, monkeypatch):
             with _rank0_tracking(cfg, run_id, rank=0) as client:
                 time.sleep(1.5)  # a few samples of system metrics
                 for step in attempt:  # the last queued just before the loop returns
-                    _report_rank0(config, client, stage, step, reports[step], rate=1000.0, eta=1.0)
+                    _report_rank0(job, client, step, reports[step], rate=1000.0, eta=1.0)
             assert flushes.pop() == cfg.tracking_uri and not flushes  # on the way out, the client's store
         reader = MlflowClient(cfg.tracking_uri)
         for key in ("train/loss", "train/tokens", SCORE, "eval/acc_0"):
