@@ -11,7 +11,6 @@
 - Decoding: ``tree`` (draft trees), ``verify`` (lossless verification), ``engine`` (the batching
   engine), ``rows`` (KV caches with a row per request), ``capacity`` (how many rows fit a device),
   ``static`` (compiled decoding), ``decode`` (one request's decode), ``results`` (what every decode
-  returns and records), ``offline`` (decoding outside a
-  server), ``replay`` (speculation replayed from the target's own continuation).
+  returns and records), ``offline`` (decoding outside a server), ``replay`` (speculation replayed from the target's own continuation).
 
 May import: torch, transformers, safetensors, pydantic; never ray, mlflow or ``pipeline``."""

@@ -104,8 +104,8 @@ def _console_progress(stage: StageSection, stages: list[int]) -> Iterator[tuple[
 
 
 def _trainer(cfg: RunConfig, stage: StageSection, job: StageJob | None, datasets: dict[str, Any]):
-    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, given ``job``, each reading its
-    split of ``datasets`` (``pipeline.train.inputs``), checkpoints kept by the held-out score, resumable
+    """The stage's TorchTrainer: ``train_worker`` on ``train.num_workers`` workers, given ``job``, each
+    reading its split of ``datasets`` (``pipeline.train.inputs``), checkpoints kept by the held-out score, resumable
     under the same run name and storage path."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
