@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from griffin.config import SamplingConfig
+from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from griffin.engine import SpeculationPolicy
 from griffin.offline import warm_up
@@ -126,7 +126,7 @@ def table(r: dict) -> str:
         f"# Compiled vs eager decoding, {r['dtype']}, T={r['temperature']} ({r['date']}, {machine})\n\n"
         f"SmolLM2-135M-Instruct + the shipped GRIFFIN draft (eager: pre-packed linears; compiled: inductor with "
         f"freezing), {r['prompts']} MT-Bench prompts, "
-        f"{r['new_tokens']} tokens, tree {r['tree']['total_tokens']}/{r['tree']['depth']}/{r['tree']['top_k']}; "
+        f"{r['new_tokens']} tokens, tree {TreeConfig(**r['tree']).label}; "
         f"interleaved per prompt, medians; warm-up (compiling) {r['warm_up_seconds']} s; "
         f"outputs identical: {r['outputs_identical']}"
         + (

@@ -13,6 +13,8 @@ import shutil
 from datetime import date
 from pathlib import Path
 
+from griffin.config import TreeConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
 SCORE = "eval/sim_accept_len"
@@ -139,7 +141,7 @@ def main() -> None:
         tree = report["tree"]
         lines += [
             "",
-            f"## Decoding, tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}, interleaved in one "
+            f"## Decoding, tree {TreeConfig(**tree).label}, interleaved in one "
             "process, medians (`report.md` beside this file)",
             "",
             "| dataset / T | draft | τ | per-position acceptance | tokens/s | vs vanilla |",

@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+from griffin.config import TreeConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).parent
 VARIANTS = ("griffin", "eagle3", "griffin3")
@@ -64,7 +66,7 @@ def main() -> None:
         lines.append(f"| {variant} | " + " | ".join(f"{v:.3f}" for v in result["held_out"][variant].values()) + " |")
     lines += [
         "",
-        f"Decoding, tree {tree['total_tokens']}/{tree['depth']}/{tree['top_k']}, interleaved in one process, medians:",
+        f"Decoding, tree {TreeConfig(**tree).label}, interleaved in one process, medians:",
         "",
         "| dataset / T | variant | τ | per-position acceptance | tokens/s | vs vanilla |",
         "|---|---|---:|---|---:|---:|",
