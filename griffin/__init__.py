@@ -9,7 +9,8 @@
   ``target_parts`` (what a draft borrows, read without the target), ``assets`` (targets shipped on
   PyPI as GGUF files).
 - Decoding: ``tree`` (draft trees), ``verify`` (lossless verification), ``engine`` (the batching
-  engine), ``rows`` (KV caches with a row per request), ``capacity`` (how many rows fit a device),
+  engine), ``request`` (a request and its decode in progress), ``policy`` (the tree per batch
+  size), ``rows`` (KV caches with a row per request), ``capacity`` (how many rows fit a device),
   ``static`` (compiled decoding), ``decode`` (one request's decode), ``results`` (what every decode
   returns and records), ``offline`` (decoding outside a server), ``replay`` (speculation replayed from the target's own continuation).
 

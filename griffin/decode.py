@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from griffin.config import SamplingConfig, TreeConfig
-from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.model import GriffinDraft
 from griffin.offline import generate_batch
 from griffin.results import GenerationResult, LogprobRecorder, TokenCallback, check_request

@@ -1,8 +1,9 @@
 """The batching engine: several requests decode together, one round for all of them at a time.
 
 Each ``step()``:
-- admits every waiting request that finds a free slot (a burst joins in one round) and prefills
-  each alone (a long prompt stalls the running rows for its prefill: no chunked prefill yet);
+- prefills waiting requests into free slots, at most ``prefill_chunk`` prompt tokens a step
+  (``decode.prefill_chunk``): a burst of short prompts joins in one step, and a long prompt goes in
+  over several, each chunk followed by a round for the running rows, so it never stalls them long;
 - picks the round's tree from the ``SpeculationPolicy`` for the load: active rows plus requests
   waiting for a slot, a lower load only once it held ``SWITCH_DOWN_ROUNDS`` rounds (``None``: plain
   decoding, one token per row, the draft idle; the sampling tree when every drafting row samples);
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -32,97 +31,14 @@ from torch.profiler import record_function
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.model import GriffinDraft
-from griffin.results import (
-    GenerationResult,
-    GenerationStats,
-    LogprobRecorder,
-    Scores,
-    TokenCallback,
-    append_tokens,
-    check_request,
-    device_time,
-)
+from griffin.policy import SWITCH_DOWN_ROUNDS, SpeculationPolicy
+from griffin.request import DecodeRequest, Row
+from griffin.results import GenerationResult, Scores, append_tokens, check_request, device_time
 from griffin.rows import RowCache, row_mask
 from griffin.static import MIN_BUCKET, decode_mode, length_bucket, mark_static
 from griffin.target import TargetAdapter, decode_attention
-from griffin.tree import DraftTree, catch_up_rows, draft_rows, root_tree
-from griffin.verify import RowSampling, Walked, choose, position_keys, walk
-
-ROOT_ONLY = TreeConfig(total_tokens=1, depth=1, top_k=1)
-# rounds a lower load must last before the policy follows it (a higher load counts at once): rows
-# joining and leaving around a threshold would otherwise flip between trees and plain rounds, and
-# each return to drafting costs a catch-up on the plain rounds' backlog
-SWITCH_DOWN_ROUNDS = 4
-
-
-class SpeculationPolicy:
-    """The tree for each batch size: ``trees[b]`` for the largest listed b <= the batch; ``None`` =
-    plain decoding. E.g. {1: wide, 2: small, 4: None}: batch 3 uses small, batch 8 decodes plainly.
-    ``sampling_tree`` replaces a drafting tree in a round whose drafting rows all sample (T > 0): a
-    draft token is then accepted only with the target's probability of it, so a smaller tree pays."""
-
-    def __init__(self, trees: dict[int, TreeConfig | None], sampling_tree: TreeConfig | None = None):
-        if not trees or min(trees) != 1:
-            raise ValueError(f"a speculation policy needs an entry for batch size 1, got {sorted(trees)}")
-        self.trees = dict(sorted(trees.items()))
-        self.sampling_tree = sampling_tree
-
-    def tree_for(self, batch: int, sampling: bool = False) -> TreeConfig | None:
-        tree = [tree for size, tree in self.trees.items() if size <= batch][-1]
-        return self.sampling_tree if tree is not None and sampling and self.sampling_tree is not None else tree
-
-    @property
-    def tree_slack(self) -> int:
-        """KV entries a round may write past a row's length: the widest tree, plus its draft levels."""
-        trees = [t for t in [*self.trees.values(), self.sampling_tree] if t]
-        return max((t.total_tokens for t in trees), default=1) + max(
-            ((t.depth - 1) * t.top_k for t in trees), default=0
-        )
-
-    def describe(self) -> dict[int, dict | None]:
-        return {size: (tree.model_dump() if tree else None) for size, tree in self.trees.items()}
-
-
-@dataclass
-class DecodeRequest:
-    prompt: list[int]
-    sampling: SamplingConfig
-    max_new_tokens: int
-    seed: int | None = None  # keys T>0 sampling (griffin.verify.position_keys); None: a fresh one
-    stop_token_ids: list[int] | None = None  # None: the target's
-    speculative: bool = True  # False: this request never drafts (A/B through one endpoint)
-    on_tokens: TokenCallback | None = None  # each round's committed tokens; raising ends the request
-    logprobs: LogprobRecorder | None = None
-    on_done: Callable[["Row"], None] | None = None  # called once with the finished row (its result or error)
-
-
-@dataclass
-class Row:
-    """A request's decode in progress, and, once ``done`` is set, its ``result`` or ``error``."""
-
-    request: DecodeRequest
-    stop: set[int]
-    seed: int  # the request's, or a fresh one drawn at submit
-    out: list[int] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    # committed positions the draft has not seen, a (T_i, D_f) run per round, and the token after each
-    # ((T_i,) runs; the last is the root): kept as runs, joined once at the catch-up, so that plain
-    # rounds (the draft idle) never copy the growing backlog
-    pending_features: list[Tensor] = field(default_factory=list)
-    pending_tokens: list[Tensor] = field(default_factory=list)
-    finish: str | None = None
-    cancelled: bool = False
-    error: BaseException | None = None
-    result: GenerationResult | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def root(self) -> int:
-        return self.out[-1]
-
-    def keys(self, count: int) -> list[int]:
-        """The keys of this row's next ``count`` output positions (griffin.verify.position_keys)."""
-        return position_keys(self.seed, len(self.out), count)
+from griffin.tree import DraftTree, TreeBatch, catch_up_rows, draft_rows, root_tree
+from griffin.verify import RowSampling, Walked, choose, walk
 
 
 class BatchEngine:
@@ -133,6 +49,8 @@ class BatchEngine:
         self.layers = draft.cfg.feature_layers if draft is not None else None
         self.waiting: deque[Row] = deque()
         self.rows: list[Row] = []  # active, row i in slot i
+        self.filling: Row | None = None  # a prompt part-way through its prefill, in slot len(rows)
+        self.prefill_chunk = target.prefill_chunk  # prompt tokens a step may prefill; None: no limit
         self._sampling: RowSampling | None = None  # the active rows' settings; None whenever the rows change
         self.lock = threading.Condition()
         self.tree_slack = policy.tree_slack
@@ -183,7 +101,7 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.rows or self.filling or self.waiting)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         with self.lock:
@@ -193,7 +111,8 @@ class BatchEngine:
         """End every active and waiting row with ``error``: the engine cannot go on, and its caller
         stops stepping it (its caches are left as they are)."""
         with self.lock:
-            rows, self.rows, self.waiting, self.failed = [*self.rows, *self.waiting], [], deque(), error
+            rows = [*self.rows, *([self.filling] if self.filling else []), *self.waiting]
+            self.rows, self.filling, self.waiting, self.failed = [], None, deque(), error
             self._sampling = None
         for row in rows:
             row.error = row.error or error
@@ -226,10 +145,7 @@ class BatchEngine:
     def step(self) -> None:
         with decode_mode(self.compiled), decode_attention(self.target.device):
             self._drop_cancelled_waiting()
-            while self.waiting and len(self.rows) < self.max_rows:  # a burst joins in one round
-                with self.lock:
-                    row = self.waiting.popleft()
-                self._admit(row)
+            self._prefill()
             self._retire()  # the admitted row may be done already; cancelled rows leave before the round
             if self.rows:
                 try:
@@ -249,31 +165,56 @@ class BatchEngine:
         for row in gone:
             self._finish(row, "stop")
 
-    def _admit(self, row: Row) -> None:
-        """Prefill ``row`` alone in the next free slot: its first token, and its pairs for the draft."""
-        slot, req, device = len(self.rows), row.request, self.target.device
-        self._ensure_capacity(len(req.prompt) + req.max_new_tokens)
-        self.rows.append(row)
-        self._sampling = None
-        start = device_time(device)
-        ids = torch.tensor([req.prompt], device=device)  # (1, T)
-        starts, _ = self.cache.slots.begin(slot, slot + 1, ids.shape[1])
-        positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
-        try:  # its prompt failing ends this row only
+    def _prefill(self) -> None:
+        """Prompts into free slots, at most ``prefill_chunk`` tokens this step: the row part-way
+        through (``filling``) first, then waiting rows in order. A row whose prompt is all in joins
+        the active rows (an error ends it there, so ``_retire`` frees its slot)."""
+        budget = self.prefill_chunk or float("inf")
+        while budget > 0:
+            if self.filling is None:
+                with self.lock:
+                    if not self.waiting or len(self.rows) >= self.max_rows:
+                        return
+                    self.filling = self.waiting.popleft()
+                req = self.filling.request
+                self._ensure_capacity(len(req.prompt) + req.max_new_tokens)
+            row = self.filling
+            count = int(min(budget, len(row.request.prompt) - row.prefilled))
+            if not row.cancelled:
+                self._prefill_chunk(row, len(self.rows), count)
+            budget -= count
+            if row.cancelled or row.error is not None or row.prefilled == len(row.request.prompt):
+                self.rows.append(row)  # a row that ended leaves at the next _retire
+                self.filling, self._sampling = None, None
+
+    def _prefill_chunk(self, row: Row, slot: int, count: int) -> None:
+        """The next ``count`` prompt tokens of ``row`` into the target's KV in ``slot``, queued for the
+        draft; after the last, the row's first token. A failure ends this row only."""
+        req, device, start = row.request, self.target.device, device_time(self.target.device)
+        ids = torch.tensor([req.prompt[row.prefilled : row.prefilled + count]], device=device)  # (1, C)
+        starts, _ = self.cache.slots.begin(slot, slot + 1, count)
+        positions = starts[:, None] + torch.arange(count, device=device)
+        last = row.prefilled + count == len(req.prompt)
+        try:
             features, logits = self.target.forward(
                 ids, self.cache, positions, all_logits=False, feature_layers=self.layers
-            )  # (1, T, D_f), (1, 1, V)
-            self.cache.slots.lengths[slot] += ids.shape[1]
-            rows = RowSampling.of([req.sampling], logits.shape[-1], device)
-            token = int(choose(logits[0, -1:], rows, torch.tensor(row.keys(1), device=device)))
+            )  # (1, C, D_f), (1, 1, V)
+            self.cache.slots.lengths[slot] += count
+            row.prefilled += count
+            if last:
+                rows = RowSampling.of([req.sampling], logits.shape[-1], device)
+                token = int(choose(logits[0, -1:], rows, torch.tensor(row.keys(1), device=device)))
         except Exception as error:
             row.error = error
             return
-        row.stats.prefill_time = device_time(device) - start
-        if self.draft is not None:
-            row.pending_features = [features[0]]  # (T, D_f)
-            row.pending_tokens = [torch.cat([ids[0, 1:], torch.tensor([token], device=device)])]  # (T,)
-        self._deliver(row, [token], lambda recorder: recorder.score(logits[0, -1:], [token]))
+        row.stats.prefill_time += device_time(device) - start
+        # each prompt position's features pair with the token after it: the next prompt token, or the first output
+        after = req.prompt[row.prefilled - count + 1 : row.prefilled] + (
+            [token] if last else [req.prompt[row.prefilled]]
+        )
+        self._pend(row, features[0], after)
+        if last:
+            self._deliver(row, [token], lambda recorder: recorder.score(logits[0, -1:], [token]))
 
     def _ensure_capacity(self, need: int) -> None:
         """Room for a request of ``need`` positions (prompt + new tokens) plus a tree; growing doubles.
@@ -285,10 +226,11 @@ class BatchEngine:
             self.draft_cache.ensure_capacity(2 * self.cache.capacity)
 
     def _load(self) -> int:
-        """The batch size the policy sees: active rows plus those waiting for a slot (a burst beyond the
-        free slots), so that rows about to have company do not start drafting for a batch of one."""
+        """The batch size the policy sees: active rows plus those on their way in (part-way through a
+        prefill, or waiting for a slot), so that rows about to have company do not start drafting for
+        a batch of one."""
         with self.lock:
-            return min(self.max_rows, len(self.rows) + len(self.waiting))
+            return min(self.max_rows, len(self.rows) + (self.filling is not None) + len(self.waiting))
 
     def _policy_load(self) -> int:
         """``_load`` with hysteresis (``SWITCH_DOWN_ROUNDS``)."""
@@ -309,7 +251,7 @@ class BatchEngine:
         if trees is None:
             roots = torch.tensor([row.root for row in rows], device=device)
             trees = [root_tree(roots[b : b + 1]) for b in range(len(rows))]
-        batch = _TreeBatch.of(trees, device)
+        batch = TreeBatch.of(trees, device)
         with record_function("griffin.verify_forward"):
             features, logits = self._verify_forward(batch)  # (B, N, D_f), (B, N, V)
         walks = self._accept_and_commit(batch, logits, tree.depth if tree is not None else 0)
@@ -333,7 +275,7 @@ class BatchEngine:
         so the rows' KV runs ahead of their outputs: for timing (griffin.offline.verify_cost), on rows
         that are cancelled afterwards."""
         with decode_mode(self.compiled), decode_attention(self.target.device):
-            batch = _TreeBatch.of(trees, self.target.device)
+            batch = TreeBatch.of(trees, self.target.device)
             _, logits = self._verify_forward(batch)
             return self._accept_and_commit(batch, logits, max(int(t.depths.max()) for t in trees))
 
@@ -358,7 +300,7 @@ class BatchEngine:
             trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree, self.compiled)
         return [t if row.request.speculative else root_tree(t.tokens[:1]) for row, t in zip(rows, trees)]
 
-    def _verify_forward(self, batch: "_TreeBatch") -> tuple[Tensor, Tensor]:
+    def _verify_forward(self, batch: TreeBatch) -> tuple[Tensor, Tensor]:
         """One target pass over every row's tree, padded to the widest: a padding node sees only itself."""
         B, N = batch.tokens.shape
         starts, width = self.cache.slots.begin(0, B, N, static=self.compiled)
@@ -370,7 +312,7 @@ class BatchEngine:
             compiled=self.compiled,
         )  # fmt: skip
 
-    def _accept_and_commit(self, batch: "_TreeBatch", logits: Tensor, depth: int) -> list[Walked]:
+    def _accept_and_commit(self, batch: TreeBatch, logits: Tensor, depth: int) -> list[Walked]:
         """Every row's walk (griffin.verify.walk), all rows at once with their own sampling and draws
         (trees at most ``depth`` deep); the target KV keeps each row's accepted path."""
         device = logits.device
@@ -384,7 +326,7 @@ class BatchEngine:
 
     def _row_sampling(self, vocab: int, device) -> RowSampling:
         """The active rows' sampling settings on the device, built again only after the rows change
-        (``_admit``, ``_retire`` and ``fail_all`` reset it)."""
+        (``_prefill``, ``_retire`` and ``fail_all`` reset it)."""
         if self._sampling is None:
             self._sampling = RowSampling.of([row.request.sampling for row in self.rows], vocab, device)
         return self._sampling
@@ -416,6 +358,8 @@ class BatchEngine:
                 self.draft_cache.release(slot, last)
             self.rows[slot] = self.rows[last]
             self.rows.pop()
+            if self.filling is not None:  # the prompt part-way in follows, into slot len(rows)
+                self.cache.release(last, last + 1)
             self._sampling = None
             self._finish(row, row.finish or "stop")
 
@@ -425,26 +369,3 @@ class BatchEngine:
         row.done.set()
         if row.request.on_done is not None:
             row.request.on_done(row)
-
-
-@dataclass
-class _TreeBatch:
-    """A round's trees stacked, padded to the widest (N): a padding node has token 0, depth 0, no
-    parent (-2: never a child of any node) and sees only itself."""
-
-    tokens: Tensor  # (B, N)
-    depths: Tensor  # (B, N)
-    parents: Tensor  # (B, N); -1 for a root
-    mask: Tensor  # (B, N, N) bool: node i and its ancestors
-
-    @classmethod
-    def of(cls, trees: list[DraftTree], device: torch.device) -> "_TreeBatch":
-        B, N = len(trees), max(t.size for t in trees)
-        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-        depths = torch.zeros(B, N, dtype=torch.long, device=device)
-        parents = torch.full((B, N), -2, dtype=torch.long, device=device)
-        mask = torch.eye(N, dtype=torch.bool, device=device).repeat(B, 1, 1)
-        for b, t in enumerate(trees):
-            tokens[b, : t.size], depths[b, : t.size], parents[b, : t.size] = t.tokens, t.depths, t.parents
-            mask[b, : t.size, : t.size] = t.mask
-        return cls(tokens, depths, parents, mask)

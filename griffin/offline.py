@@ -18,7 +18,9 @@ import torch
 
 from griffin.config import SamplingConfig
 from griffin.results import GenerationResult, device_time
-from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
+from griffin.engine import BatchEngine
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
 from griffin.tree import chain_tree
@@ -99,7 +101,8 @@ def verify_cost(
     room = min((repeats + 1) * len(sizes) * (depth + 1) + 2, target.max_context - len(prompt))
     with engine_for(target, draft, policy, 1) as engine:
         row = engine.submit(DecodeRequest(prompt, SamplingConfig(), room, stop_token_ids=[], speculative=False))
-        engine.step()  # the prefill, and one plain round
+        while not engine.rows:  # the prefill (in chunks when long), then one plain round
+            engine.step()
         try:
             for rep in range(repeats + 1):
                 for n in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:

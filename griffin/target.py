@@ -226,6 +226,7 @@ class TargetAdapter(HeadShaped):
         self.revision = revision  # the hub revision it was loaded at (lineage); None: the default or not the hub
         self.files = files  # the directory or hub id its weights came from (griffin.target_files); None: built
         self.context_cap: int | None = None  # decode.max_context (see max_context)
+        self.prefill_chunk: int | None = None  # decode.prefill_chunk: prompt tokens an engine step prefills
         self.packed = False  # see prepack()
         self.compiled_forward: Callable | None = None  # see compile_decoding()
         self._weights_sha256: str | None = None

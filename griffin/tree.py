@@ -194,3 +194,26 @@ def _drop_tree_entries(cache, stable: list[int], written: int) -> None:
     """Rows [0, B) go back to their committed lengths ``stable``, the tree's ``written`` entries zeroed."""
     cache.slots.lengths[: len(stable)] = stable
     cache.advance(0, [0] * len(stable), written)
+
+
+@dataclass
+class TreeBatch:
+    """A round's trees, one per row (griffin.engine), stacked and padded to the widest (N): a padding
+    node has token 0, depth 0, no parent (-2: never a child of any node) and sees only itself."""
+
+    tokens: Tensor  # (B, N)
+    depths: Tensor  # (B, N)
+    parents: Tensor  # (B, N); -1 for a root
+    mask: Tensor  # (B, N, N) bool: node i and its ancestors
+
+    @classmethod
+    def of(cls, trees: list[DraftTree], device: torch.device) -> "TreeBatch":
+        B, N = len(trees), max(t.size for t in trees)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        depths = torch.zeros(B, N, dtype=torch.long, device=device)
+        parents = torch.full((B, N), -2, dtype=torch.long, device=device)
+        mask = torch.eye(N, dtype=torch.bool, device=device).repeat(B, 1, 1)
+        for b, t in enumerate(trees):
+            tokens[b, : t.size], depths[b, : t.size], parents[b, : t.size] = t.tokens, t.depths, t.parents
+            mask[b, : t.size, : t.size] = t.mask
+        return cls(tokens, depths, parents, mask)

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,6 +87,16 @@ def tiny_deployment(tmp: Path, *overrides: str):
             yield SimpleNamespace(client=client, url=url, cfg=cfg, target=target, draft_dir=draft_dir)
     finally:
         stop_serve()
+
+
+def wait_for(condition, timeout: float = 120.0, what: str = "condition"):
+    """Polls ``condition`` every 0.1 s until it returns something true, which is returned; fails after
+    ``timeout`` seconds, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.1)
+    return value
 
 
 def first_content(lines) -> dict:

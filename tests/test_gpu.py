@@ -149,7 +149,8 @@ def test_compiled_decode_equals_eager_on_cuda(arch):
     """decode.compile on CUDA: the steps are CUDA graphs (griffin.static); fp32 output equals eager
     token for token at T=0 and seeded T>0, speculative and vanilla, across a width bucket, and a
     batch of rows of different lengths equals each row's eager decode."""
-    from griffin.engine import DecodeRequest, SpeculationPolicy
+    from griffin.policy import SpeculationPolicy
+    from griffin.request import DecodeRequest
     from griffin.offline import generate_batch
     from tests.griffin.test_compiled import NEW, TREE, compiled_twin
 

@@ -21,7 +21,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import SpeculationPolicy
+from griffin.policy import SpeculationPolicy
 from griffin.offline import warm_up
 from pipeline.config import load_config
 from pipeline.data.chat import render_chat

@@ -23,7 +23,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import vanilla_generate
-from griffin.engine import SpeculationPolicy
+from griffin.policy import SpeculationPolicy
 from griffin.offline import verify_cost
 from griffin.target import TargetAdapter
 from pipeline.data.chat import render_chat

@@ -22,7 +22,8 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate
-from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.offline import generate_batch
 from pipeline.config import load_config
 from pipeline.data.chat import render_chat

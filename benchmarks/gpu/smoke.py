@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from griffin.config import SamplingConfig, TreeConfig  # noqa: E402
 from griffin.decode import speculative_generate, vanilla_generate  # noqa: E402
-from griffin.engine import SpeculationPolicy  # noqa: E402
+from griffin.policy import SpeculationPolicy  # noqa: E402
 from griffin.model import GriffinDraft  # noqa: E402
 from griffin.offline import warm_up  # noqa: E402
 from griffin.static import graph_counts  # noqa: E402

@@ -116,10 +116,10 @@ class RunConfig(Section):
 
     @property
     def speculation_policy(self) -> Any:
-        """The serving engine's tree per batch size (griffin.engine.SpeculationPolicy): ``decode.policy``,
+        """The serving engine's tree per batch size (griffin.policy.SpeculationPolicy): ``decode.policy``,
         with ``decode.tree`` below its smallest batch size (at every size without a policy), and
         ``decode.sampling_tree`` for rounds whose drafting rows all sample."""
-        from griffin.engine import SpeculationPolicy
+        from griffin.policy import SpeculationPolicy
 
         return SpeculationPolicy({1: self.decode.tree, **(self.decode.policy or {})}, self.decode.sampling_tree)
 

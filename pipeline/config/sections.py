@@ -235,6 +235,19 @@ class ServeSection(Section):
     )
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
+    ingress_replicas: int = Field(
+        default=2,
+        ge=1,
+        description="replicas of the HTTP edge (no model): one can die or restart while the other answers. "
+        "Each admits its share of the completions and of the queue (shares differ by at most one); with 1, "
+        "admission is counted in one place, exact to the request",
+    )
+    ingress_num_cpus: float = Field(
+        default=0.5,
+        ge=0,
+        description="the CPU each ingress replica reserves, so that decodes and other tasks never take it "
+        "(relaying streams is CPU work); 1 on a GPU cluster's CPU nodes, 0 to fit a head node started with num-cpus 0",
+    )
     default_max_tokens: int = Field(default=256, ge=1)
     max_queued_requests: int = Field(
         default=16,
@@ -314,6 +327,13 @@ class DecodeSection(Section):
         ge=16,
         description="the most positions a decode may reach (prompt + new tokens), capping each row's KV cache; "
         "the target's max_position_embeddings when smaller; null: the target's",
+    )
+    prefill_chunk: int | None = Field(
+        default=2048,
+        ge=1,
+        description="the most prompt tokens the engine prefills between two decode rounds: a longer prompt "
+        "goes in over several rounds, so running streams are not stalled for the whole of it; null: a "
+        "prompt at once",
     )
     tune: bool = Field(
         default=False,

@@ -21,7 +21,8 @@ from typing import Any
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.results import device_time
-from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.offline import generate_batch
 
 GREEDY = SamplingConfig()

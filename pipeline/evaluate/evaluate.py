@@ -22,7 +22,7 @@ from typing import Any
 
 from griffin.checkpoint import tensors_sha256
 from griffin.decode import first_divergence as divergence_at
-from griffin.engine import SpeculationPolicy
+from griffin.policy import SpeculationPolicy
 from griffin.offline import warm_up
 from pipeline.files import atomic_write_json, atomic_write_text, finished, reuse_key
 from pipeline.config import RunConfig
@@ -30,7 +30,7 @@ from pipeline.console import Progress, say
 from pipeline.resources.drafts import draft_for_run
 from pipeline.resources.questions import load_questions
 from pipeline.resources.identity import FILES, WEIGHTS, target_fingerprint
-from pipeline.resources.targets import load_target
+from pipeline.resources.targets import load_decoding_target
 from pipeline.data.chat import render_chat
 from pipeline.evaluate.methods import Method, Output, build_methods, load_drafts
 from pipeline.evaluate.report import log_report, machine_identity, summarize, write_reports
@@ -240,7 +240,7 @@ def _warm_up(methods: dict[str, Method], target: Any, cfg: RunConfig, drafts: di
 def run_eval(cfg: RunConfig, draft: Any = None, reuse_finished: bool = False) -> dict[str, Any]:
     """``griffin eval``: every dataset x temperature, every method; reports + MLflow; returns the summary.
     With ``reuse_finished`` (``griffin run``), a finished evaluation with the same key is not redone."""
-    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
+    target = load_decoding_target(cfg)
     questions = {name: load_questions(name, cfg.eval.num_questions) for name in cfg.eval.datasets}
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
     drafts = load_drafts(cfg, target, draft_model)

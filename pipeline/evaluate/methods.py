@@ -14,7 +14,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import SpeculationPolicy
+from griffin.policy import SpeculationPolicy
 from pipeline.config import RunConfig, TargetSection
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.targets import load_target

@@ -41,7 +41,7 @@ import torch
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate
 from griffin.results import acceptance_length
-from griffin.engine import SpeculationPolicy
+from griffin.policy import SpeculationPolicy
 from griffin.offline import verify_cost
 from griffin.replay import GREEDY, DecodeReference, decode_reference, replay_decode
 from pipeline import console
@@ -175,11 +175,11 @@ def run_tune_tree(
     """``griffin tune-tree``: measure, search, write ``<run_dir>/tune_tree/`` and print the overrides.
     Calibration defaults to ``decode.tune_prompts`` x ``decode.tune_max_new_tokens``."""
     from pipeline.resources.drafts import draft_for_run
-    from pipeline.resources.targets import load_target
+    from pipeline.resources.targets import load_decoding_target
 
     prompts, max_new_tokens = prompts or cfg.decode.tune_prompts, max_new_tokens or cfg.decode.tune_max_new_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
+    target = load_decoding_target(cfg)
     draft_model, draft_uri = draft_for_run(cfg, target, draft)
     calibration = [ids.to(target.device) for ids in calibration_prompts(cfg, target.tokenizer, prompts)]
     curve = verify_cost_curve(target, draft_model, (1, *TOTAL_TOKENS))

@@ -72,14 +72,14 @@ def run_check_target(
 def _check_decoding(cfg: RunConfig, count: int, new: int) -> dict[str, Any]:
     """Step 2: T=0 exactness of speculative decoding with an untrained draft, alone and batched."""
     from griffin.decode import speculative_generate, vanilla_generate
-    from griffin.engine import DecodeRequest
+    from griffin.request import DecodeRequest
     from griffin.offline import generate_batch
     from griffin.model import GriffinDraft
-    from pipeline.resources.targets import load_target
+    from pipeline.resources.targets import load_decoding_target
 
     if count < 2:
         raise ValueError(f"--prompts {count}: the batched check needs at least 2 prompts")
-    target = load_target(cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context)
+    target = load_decoding_target(cfg)
     torch.manual_seed(0)
     draft = GriffinDraft.for_target(target, variant=cfg.draft.variant, **cfg.draft.overrides)
     draft = draft.to(target.device)

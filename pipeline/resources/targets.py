@@ -127,6 +127,15 @@ def load_target(
     return target
 
 
+def load_decoding_target(cfg: RunConfig) -> TargetAdapter:
+    """The run's target as serve, eval, tune-tree and check-target decode with it: ``load_target``
+    with the run's ``decode`` settings (compiled or not, the context cap, the prefill chunk)."""
+    decode = cfg.decode
+    target = load_target(cfg.target, decoding=True, compile=decode.compile, max_context=decode.max_context)
+    target.prefill_chunk = decode.prefill_chunk
+    return target
+
+
 def load_target_parts(section: TargetSection, device: str = "cpu", layer: int | None = None) -> TargetParts:
     """What a draft borrows from the target (griffin.target_parts), in the dtype resolved for
     ``section.device``: read by name from the weight files, never the whole target; a tiny target is

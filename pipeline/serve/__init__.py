@@ -1,6 +1,6 @@
 """Ray Serve: the app builder (``app``) of two deployments, the HTTP edge (``ingress``, with its admission
 and relayed calls in ``relay``, API keys in ``auth``) in front of the decoding deployment
-(``deployment``); error answers (``errors``); starting and stopping it (``lifecycle``), the replica's
+(``deployment``); error answers (``errors``); starting and stopping it (``lifecycle``; the drain every ingress replica hears, ``drain``), the replica's
 batching engine in its thread and a request's decode through it (``replica``), metrics
 (``metrics``), the OpenAI wire protocol (``protocol``), the API fields refused by name (``fields``),
 server-sent events (``sse``) and the registered model as an MLflow pyfunc (``pyfunc``). May import:

@@ -90,7 +90,8 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     ).bind(_portable(cfg))
     edge = EdgeConfig(
         model_id=served_model_name(cfg),
-        slots=slots,
+        per_replica=section.max_ongoing_requests,
+        most_replicas=most_replicas,
         queue=section.max_queued_requests,
         max_body_bytes=section.max_body_bytes,
         retry_after_s=section.retry_after_s,
@@ -98,13 +99,13 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         key_digest=require_key(section),  # refuses a host reachable from outside without a key
     )
     return Ingress.options(
-        # one replica, so its admission count is exact. Room for every admitted completion plus the
-        # control slots (/health & co. and refusals, which answer at once): nothing waits in Serve's
-        # queue at the proxy, so nothing is refused there (its bound misjudges bursts); no CPU claimed,
-        # so it never takes a core from a decode and fits on a head node started with num-cpus 0
-        num_replicas=1,
+        # serve.ingress_replicas, each admitting its share (pipeline.serve.ingress), with CPU of their own
+        # so that decodes never starve the edge. Room for every admitted completion plus the control
+        # slots (/health & co. and refusals, which answer at once): nothing waits in Serve's queue at
+        # the proxy, so nothing is refused there (its bound misjudges bursts)
+        num_replicas=section.ingress_replicas,
         max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s + RELAY_MARGIN_S,  # ... and relays them
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": section.ingress_num_cpus},
     ).bind(decoder, edge)

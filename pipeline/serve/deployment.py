@@ -37,7 +37,7 @@ import torch
 from ray import serve
 
 from griffin.results import GenerationResult, LogprobRecorder
-from griffin.engine import SpeculationPolicy
+from griffin.policy import SpeculationPolicy
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.serve.replica import (
     DecodeTrace,
@@ -96,12 +96,10 @@ class SpeculativeDecoder:
 
     def __init__(self, run_config: dict[str, Any]):
         from pipeline.resources.drafts import load_draft_uri
-        from pipeline.resources.targets import load_target
+        from pipeline.resources.targets import load_decoding_target
 
         cfg = config_from_dict(run_config)
-        self.target = load_target(
-            cfg.target, decoding=True, compile=cfg.decode.compile, max_context=cfg.decode.max_context
-        )
+        self.target = load_decoding_target(cfg)
         self.draft_uri = cfg.serve.draft_uri
         self.draft = load_draft_uri(self.draft_uri, self.target, cfg) if self.draft_uri else None
         self.model_id, self.tree = served_model_name(cfg), cfg.decode.tree

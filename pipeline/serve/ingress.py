@@ -3,10 +3,11 @@
 Endpoints: POST /v1/chat/completions, POST /v1/completions (``stream: true`` = server-sent events in
 OpenAI's chunk format, ending with ``data: [DONE]``), GET /v1/models, GET /health, GET /stats.
 
-Admission is here, exact (``relay.Admission``): the application takes ``serve.max_ongoing_requests``
-completions per decoder replica, and up to ``serve.max_queued_requests`` more wait here for one of
-them; the next is refused at once, before its body is read, with 503 (or ``serve.shed_status``), an
-OpenAI error body and ``Retry-After``. Serve routes each admitted completion to a decoder replica with
+Admission is here (``relay.Admission``): the application takes ``serve.max_ongoing_requests``
+completions per decoder replica running, and up to ``serve.max_queued_requests`` more wait here for one
+of them; the next is refused at once, before its body is read, with 503 (or ``serve.shed_status``), an
+OpenAI error body and ``Retry-After``. Each of the ``serve.ingress_replicas`` counts its share of both
+(exact to the request with one). Serve routes each admitted completion to a decoder replica with
 room, so no request is refused while a replica has some. The ingress reads the body (413 beyond
 ``serve.max_body_bytes``, before buffering it) and hands it to a decoder replica through a streaming
 ``DeploymentHandle``; the decoder validates it (the one place that does) and answers with a ``Reply``: a
@@ -23,6 +24,7 @@ round. /health, /v1/models and /stats ask a decoder replica, on the slots Serve 
 """
 
 import asyncio
+import itertools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pipeline.serve.auth import KeyCheck
+from pipeline.serve.drain import POLL_S, find_board
 from pipeline.serve.errors import internal_error, overloaded, replica_lost, retry_after, shutting_down
 from pipeline.serve.protocol import ApiError, read_body
 from pipeline.serve.relay import REPLICA_LOST, Admission, Call, ClientGone, until_done
@@ -44,6 +47,21 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="GRIFFIN speculative decoding", docs_url=None, redoc_url=None, openapi_url=None)
 
 CONTROL_TIMEOUT_S = 5.0  # /health & co.: a decoder that cannot answer a cheap call this soon is unavailable
+FOLLOW_S = 2.0  # how often an ingress replica counts the decoder replicas alive
+
+
+def share(total: int, rank: int, ranks: int) -> int:
+    """Replica ``rank``'s part of ``total`` among ``ranks``: parts differ by at most one and sum to ``total``."""
+    return total // ranks + (rank < total % ranks)
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    """How many replicas of ``deployment`` are running (a controller call: not on the event loop)."""
+    from ray.serve.schema import ReplicaState
+
+    application = serve.status().applications.get(app)
+    status = application.deployments.get(deployment) if application is not None else None
+    return status.replica_states.get(ReplicaState.RUNNING, 0) if status is not None else 0  # None: shutting down
 
 
 @dataclass(frozen=True)
@@ -51,8 +69,9 @@ class EdgeConfig:
     """What the ingress needs of the run config (``app.app_builder`` fills it)."""
 
     model_id: str
-    slots: int  # completions at the decoders at once: max_ongoing_requests x decoder replicas
-    queue: int  # serve.max_queued_requests: completions waiting here for one of those slots
+    per_replica: int  # serve.max_ongoing_requests: completions at each decoder replica alive
+    most_replicas: int  # decoder replicas at most (num_replicas, or autoscaling's max_replicas)
+    queue: int  # serve.max_queued_requests: completions waiting in the ingress for a decoder slot
     max_body_bytes: int
     retry_after_s: float
     shed_status: int
@@ -91,10 +110,46 @@ class Ingress:
 
     def __init__(self, decoder: DeploymentHandle, edge: EdgeConfig):
         self.decoder, self.streaming, self.edge = decoder, decoder.options(stream=True), edge
-        self.admission = Admission(edge.slots, edge.queue)
-        self.draining = False  # ``drain``: new completions get 503 while the running ones finish
+        context = serve.get_replica_context()
+        self.rank, self.ingresses = context.rank.rank, max(context.world_size, 1)
+        self.admission = Admission(*self._limits(1))  # until the first count of the decoders running
+        # the constructor runs on the replica's event loop: the count follows from there
+        self.follower = asyncio.get_running_loop().create_task(self._follow())
+        self.draining = False  # griffin serve's drain: new completions get 503 while the running ones finish
         self.keys = KeyCheck(edge.key_digest)
         self.counters = _counters(edge.model_id)
+
+    def _limits(self, alive: int) -> tuple[int, int]:
+        """This ingress replica's share of the application's limits with ``alive`` decoder replicas:
+        (slots, queue). Shares differ by at most one and sum to the whole; every ingress keeps at least
+        one slot, so none refuses everything (Serve's proxy sends a request to the less loaded ingress,
+        so they fill evenly)."""
+        slots = self.edge.per_replica * min(max(alive, 1), self.edge.most_replicas)
+        return max(share(slots, self.rank, self.ingresses), 1), share(self.edge.queue, self.rank, self.ingresses)
+
+    async def _follow(self) -> None:
+        """Every ``FOLLOW_S``, the decoder replicas running (serve.status) set the limits: a replica
+        that died or has not started yet (autoscaling) holds no slots, so requests beyond the replicas
+        alive wait here and are refused past the queue, instead of waiting in Serve's queues. With none
+        running, one replica's slots: requests wait here for its replacement. Every ``drain.POLL_S``,
+        ``griffin serve``'s drain board (pipeline.serve.drain) hears this replica's count and says
+        whether to drain."""
+        board, polls = None, round(FOLLOW_S / POLL_S)
+        for tick in itertools.count():
+            try:
+                if tick % polls == 0:
+                    alive, board = await asyncio.to_thread(self._look_around, board)
+                    self.admission.resize(*self._limits(alive))
+                if board is not None:
+                    self.draining = await board.report.remote(self.rank, self.admission.admitted) or self.draining
+            except Exception:  # the controller or the board restarting: keep the last limits, look again
+                logger.warning("could not count the decoder replicas or read the drain board", exc_info=True)
+                board = None
+            await asyncio.sleep(POLL_S)
+
+    def _look_around(self, board: Any) -> tuple[int, Any]:
+        """(decoder replicas running, the drain board or None); blocking calls, off the event loop."""
+        return running_replicas(self.decoder.app_name, self.decoder.deployment_name), board or find_board()
 
     @api.get("/health")
     async def health(self):
@@ -114,7 +169,8 @@ class Ingress:
             decoder = await self._ask(self.decoder.stats)
         except ApiError as error:
             return error.response()
-        return {**decoder, "shed": self.admission.shed, "ingress": self.admission.counters()}
+        ingress = {**self.admission.counters(), "replica": self.rank, "replicas": self.ingresses}
+        return {**decoder, "shed": self.admission.shed, "ingress": ingress}
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -124,15 +180,6 @@ class Ingress:
             return await self._ask(self.decoder.models)
         except ApiError as error:
             return error.response()
-
-    async def drain(self) -> int:
-        """Stop admitting completions (``griffin serve`` is stopping: 503 + Retry-After); returns how
-        many are in progress or queued here, which finish as usual."""
-        self.draining = True
-        return self.admission.admitted
-
-    async def in_flight(self) -> int:
-        return self.admission.admitted
 
     async def _ask(self, method: Any) -> Any:
         """A cheap call to a decoder replica (on its control slots: never behind completions)."""

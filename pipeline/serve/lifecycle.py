@@ -13,8 +13,7 @@ from pipeline.config import RunConfig
 from pipeline.serve.app import APP_NAME, ServeArgs, app_builder
 from pipeline.serve.auth import require_key
 from pipeline.serve.deployment import served_model_name
-
-CONTROL_S = 10.0  # the ingress answers its drain calls from its event loop at once
+from pipeline.serve.drain import drain, start_board
 
 
 def serve_url(cfg: RunConfig) -> str:
@@ -62,22 +61,14 @@ def _terminated(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-def drain(seconds: float) -> int:
-    """Stop admitting completions (new ones get 503 + Retry-After) and wait up to ``seconds`` for the
-    running ones to finish; returns how many were still running at the end."""
-    ingress = serve.get_app_handle(APP_NAME)
-    running = ingress.drain.remote().result(timeout_s=CONTROL_S)
-    print(f"draining: {running} requests running, new ones get 503 (serve.drain_s={seconds:g})", flush=True)
-    deadline = time.monotonic() + seconds
-    while running and time.monotonic() < deadline:
-        time.sleep(0.25)
-        running = ingress.in_flight.remote().result(timeout_s=CONTROL_S)
-    return running
-
-
 def run_serve(cfg: RunConfig) -> None:
-    """``griffin serve``: start, print the URL, block until SIGTERM or Ctrl-C, then drain (``drain``) and
-    shut Serve down; a second signal during the drain stops at once."""
+    """``griffin serve``: start, print the URL, block until SIGTERM or Ctrl-C, then drain (every ingress
+    replica: pipeline.serve.drain) and shut Serve down; a second signal during the drain stops at once."""
+    from pipeline.runtime import ensure_ray
+
+    require_key(cfg.serve)  # before anything starts
+    ensure_ray(cfg)
+    board = start_board()  # before the ingress replicas start: each finds it at its first look
     url = start_serve(cfg)
     what = f"draft {cfg.serve.draft_uri}" if cfg.serve.draft_uri else "vanilla decoding (no serve.draft_uri)"
     print(f"serving {served_model_name(cfg)} with {what} at {url}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)
@@ -86,7 +77,7 @@ def run_serve(cfg: RunConfig) -> None:
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, Terminated):
-        left = drain(cfg.serve.drain_s)
+        left = drain(board, cfg.serve.drain_s, cfg.serve.ingress_replicas)
         print("stopping" + (f" with {left} requests still running (serve.drain_s passed)" if left else ""), flush=True)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -26,7 +26,7 @@ import mlflow
 class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from griffin.config import TreeConfig
-        from griffin.engine import SpeculationPolicy
+        from griffin.policy import SpeculationPolicy
         from pipeline.config import TargetSection
         from pipeline.resources.drafts import ARTIFACT_KEY, load_draft_dir
         from pipeline.resources.targets import load_target

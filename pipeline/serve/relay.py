@@ -5,6 +5,7 @@ watches the client (``until_done``). No Serve deployment here: ``pipeline.serve.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -30,16 +31,16 @@ REPLICA_LOST = (
 
 
 class Admission:
-    """Every completion of the application, counted in its one ingress replica (its event loop: the
-    count is exact, unlike Serve's ``max_queued_requests``, which may refuse a burst while a replica
-    has room). ``slots`` completions (``serve.max_ongoing_requests`` for each decoder replica) are at
-    the decoders at once; up to ``queue`` more wait here, first come first served, for one of those
-    slots to free; the next is refused (``full``)."""
+    """An ingress replica's share of the application's completions, counted in its event loop (exact
+    there, unlike Serve's ``max_queued_requests``, which may refuse a burst while a replica has room).
+    ``slots`` completions are at the decoders at once (``serve.max_ongoing_requests`` for each decoder
+    replica alive, ``resize``d as replicas come and go); up to ``queue`` more wait here, first come
+    first served, for one of those slots to free; the next is refused (``full``)."""
 
     def __init__(self, slots: int, queue: int):
         self.slots, self.queue = slots, queue
         self.admitted, self.sent, self.shed = 0, 0, 0
-        self.permits = asyncio.Semaphore(slots)
+        self._waiters: deque[asyncio.Future] = deque()  # tickets waiting for a slot, oldest first
 
     def full(self) -> bool:
         return self.admitted >= self.slots + self.queue
@@ -51,6 +52,37 @@ class Admission:
     def enter(self) -> "Ticket":
         self.admitted += 1
         return Ticket(self)
+
+    def resize(self, slots: int, queue: int) -> None:
+        """New limits (decoder replicas came or went): more slots go to waiting tickets at once; fewer
+        take nothing back from completions already at the decoders."""
+        self.slots, self.queue = slots, queue
+        self._grant()
+
+    async def acquire(self) -> None:
+        """A slot at the decoders, after every ticket that waited before this one."""
+        if self.sent < self.slots and not self._waiters:
+            self.sent += 1
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiters.append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():  # granted, then cancelled before it resumed
+                self.free()
+            raise
+
+    def free(self) -> None:
+        self.sent -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.sent < self.slots:
+            granted = self._waiters.popleft()
+            if not granted.done():  # a cancelled waiter leaves its future cancelled
+                self.sent += 1
+                granted.set_result(None)
 
     def counters(self) -> dict[str, int]:
         return {"admitted": self.admitted, "waiting": self.waiting, "slots": self.slots, "queue": self.queue}
@@ -64,9 +96,8 @@ class Ticket:
         self.admission, self.holds, self.released = admission, False, False
 
     async def wait(self) -> None:
-        await self.admission.permits.acquire()  # cancelled while waiting: nothing is held
+        await self.admission.acquire()  # cancelled while waiting: nothing is held
         self.holds = True
-        self.admission.sent += 1
 
     def release(self) -> None:
         if self.released:
@@ -74,8 +105,7 @@ class Ticket:
         self.released = True
         self.admission.admitted -= 1
         if self.holds:
-            self.admission.sent -= 1
-            self.admission.permits.release()
+            self.admission.free()
 
 
 class ClientGone(Exception):

@@ -19,7 +19,9 @@ from typing import Any
 from griffin.capacity import check_rows_fit
 from griffin.config import SamplingConfig
 from griffin.results import GenerationResult, LogprobRecorder
-from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
+from griffin.engine import BatchEngine
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.model import GriffinDraft
 from griffin.target import TargetAdapter
 from pipeline.serve.errors import engine_failed
@@ -98,7 +100,8 @@ class ReplicaEngine:
 
     @property
     def active(self) -> int:
-        return len(self.engine.rows)
+        """Requests holding a slot: decoding, or part-way through a chunked prefill."""
+        return len(self.engine.rows) + (self.engine.filling is not None)
 
     @property
     def waiting(self) -> int:

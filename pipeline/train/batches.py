@@ -320,8 +320,11 @@ class Prefetch:
         self.left -= 1
         return self.feed.take(self.micro)
 
+    def _collate_now(self, rows: list[dict]) -> ShiftedBatch:
+        return collate(rows, self.shape[0], self.feed.device, *self.shape[1:])
+
     def _collate(self, rows: list[dict]):
-        return rows, self.pool.submit(collate, rows, self.shape[0], self.feed.device, *self.shape[1:])
+        return rows, self.pool.submit(self._collate_now, rows)
 
     def next(self) -> tuple[Iterator[ShiftedBatch], list[list[str]]]:
         """The next step's micro-batches, collated as they are consumed, and the "<epoch>:<sample id>"s
@@ -333,9 +336,7 @@ class Prefetch:
         """Each micro-batch of ``step``, the next one's collation started as it is handed out."""
         for i, rows in enumerate(step):
             pending, future = self._collating or (None, None)
-            batch = (
-                future.result() if pending is rows else collate(rows, self.shape[0], self.feed.device, *self.shape[1:])
-            )
+            batch = future.result() if pending is rows else self._collate_now(rows)
             after = step[i + 1] if i + 1 < len(step) else (self._step[0] if self._step else None)
             self._collating = self._collate(after) if after is not None else None
             yield batch

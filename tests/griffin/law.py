@@ -264,7 +264,8 @@ def engine_windows(target, draft, prompt: list[int], tree, sampling: SamplingCon
     once in 6 slots, beside 4 neighbours of other lengths and budgets; their seeds are drawn from
     torch's global generator)."""
     from griffin.decode import speculative_generate
-    from griffin.engine import DecodeRequest, SpeculationPolicy
+    from griffin.policy import SpeculationPolicy
+    from griffin.request import DecodeRequest
     from griffin.offline import generate_batch
 
     counts = torch.zeros((target.vocab_size,) * k)

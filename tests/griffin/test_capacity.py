@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from griffin.capacity import check_rows_fit, row_kv_bytes
 from griffin.target import TargetAdapter
 from pipeline.config import load_config
-from pipeline.resources.targets import load_target
+from pipeline.resources.targets import load_decoding_target, load_target
 
 GB = 1e9
 
@@ -53,3 +53,16 @@ def test_decode_max_context_caps_a_decoding_target():
     assert load_target(cfg.target, decoding=True, max_context=10**6).max_context == positions
     assert load_target(cfg.target, decoding=True, max_context=None).max_context == positions
     assert load_config("jobs/configs/tiny.yaml").decode.max_context == 8192
+
+
+def test_a_runs_decode_settings_reach_its_decoding_target():
+    """serve, eval, tune-tree and check-target load through load_decoding_target: the context cap
+    and the prefill chunk (2048 by default; null: a prompt at once) come from the run's decode section."""
+    chunked = load_decoding_target(
+        load_config("jobs/configs/tiny.yaml", ["decode.max_context=64", "decode.prefill_chunk=16"])
+    )
+    assert (chunked.max_context, chunked.prefill_chunk) == (64, 16)
+    assert load_decoding_target(load_config("jobs/configs/tiny.yaml")).prefill_chunk == 2048
+    assert (
+        load_decoding_target(load_config("jobs/configs/tiny.yaml", ["decode.prefill_chunk=null"])).prefill_chunk is None
+    )

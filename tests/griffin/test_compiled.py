@@ -10,7 +10,8 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.offline import generate_batch, warm_up
 from griffin.model import GriffinDraft
 from griffin.static import MIN_BUCKET, compile_enabled, width_bucket

@@ -5,7 +5,9 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import BatchEngine, DecodeRequest, SpeculationPolicy
+from griffin.engine import BatchEngine
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.offline import generate_batch
 from griffin.model import GriffinDraft
 from griffin.rows import row_mask
@@ -182,6 +184,39 @@ def test_rows_join_leave_and_cancel_mid_decode_and_reused_slots_decode_as_fresh(
             )
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["T0", "T1"])
+def test_long_prompts_prefill_in_chunks_between_rounds_and_decode_as_if_whole(sampling):
+    """decode.prefill_chunk 5, two slots: a 30-token prompt goes in over several steps while the row
+    beside it gets a round every step; that row finishes while the prompt is part-way in (whose KV
+    then moves down a slot); a third prompt is cancelled part-way in. Every output equals its
+    unchunked batch-1 output (fp32; T=1 seeded), and the zero-past-length invariant holds throughout."""
+    target, draft = peaked_pair()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 6, (n,), generator=gen).tolist() for n in (3, 30, 23, 12)]
+    budgets = [6, 10, 12, 8]
+    requests = [DecodeRequest(p, sampling, n, 7 + i, []) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    alone = [speculative_generate(target, draft, torch.tensor([r.prompt]), SMALL, sampling, r.max_new_tokens,
+                                  r.seed, []) for r in requests]  # fmt: skip
+    target.prefill_chunk = 5
+    engine = BatchEngine(target, draft, SpeculationPolicy({1: SMALL}), max_rows=2)
+    short, long, cancelled, last = [engine.submit(r) for r in requests]
+    moved = False
+    while engine.busy:
+        before = len(short.out)
+        engine.step()
+        if engine.filling is long and not short.done.is_set():
+            assert len(short.out) > before  # a round every step while the long prompt goes in
+        moved |= engine.filling is long and short.done.is_set() and long.prefilled < len(long.request.prompt)
+        if engine.filling is cancelled and cancelled.prefilled >= 10:
+            engine.cancel(cancelled)
+        assert _zero_past_lengths(engine.cache) and _zero_past_lengths(engine.draft_cache)
+    assert moved and cancelled.result.tokens == [] and cancelled.prefilled < len(cancelled.request.prompt)
+    for row, expected in zip((short, long, last), (alone[0], alone[1], alone[3])):
+        assert row.error is None and row.result.tokens == expected.tokens
+        # the draft saw the same (feature, next token) pairs: it proposed and got accepted the same
+        assert row.result.stats.accepted_per_round == expected.stats.accepted_per_round
+
+
 def test_policy_picks_the_tree_for_the_batch_size_and_plain_rounds_keep_the_draft_in_step(monkeypatch):
     """{1: tree, 2: plain}: two rows decode plainly (from the first round: the policy counts the row
     still waiting for its slot), and when one leaves the other speculates, its draft caught up on
@@ -216,7 +251,7 @@ def test_policy_picks_the_tree_for_the_batch_size_and_plain_rounds_keep_the_draf
 def test_the_policy_follows_a_higher_load_at_once_and_a_lower_one_after_it_held():
     """{1: tree, 2: plain}: while two rows decode, rounds are plain from the first; after the short
     row leaves, the long one stays plain for SWITCH_DOWN_ROUNDS - 1 more rounds, then drafts."""
-    from griffin.engine import SWITCH_DOWN_ROUNDS
+    from griffin.policy import SWITCH_DOWN_ROUNDS
 
     target = make_target("llama")
     draft = GriffinDraft.for_target(target, variant="griffin")

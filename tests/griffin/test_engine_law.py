@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import griffin.engine
+import griffin.request
 import griffin.verify
 from griffin.config import SamplingConfig, TreeConfig
 from tests.griffin.law import CONTROL_P, PASS_P, chi_square_p, engine_windows, exact_joint, peaked_pair
@@ -72,7 +73,7 @@ def one_draw_per_round(row, count):
         ((griffin.engine, "walk", uniform_leaf_bonus), "leaf", "T1", False),
         ((griffin.verify, "choose", raw_choose), "leaf", "T0.7-top_p-top_k", True),
         ((griffin.engine, "choose", raw_choose), "leaf", "T0.7-top_p-top_k", True),
-        ((griffin.engine.Row, "keys", one_draw_per_round), "tree", "T1", True),
+        ((griffin.request.Row, "keys", one_draw_per_round), "tree", "T1", True),
     ],
     ids=["uniform-leaf-bonus-alone", "walk-without-warper-batched", "prefill-without-warper-batched",
          "one-draw-per-round-batched"],

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from griffin.config import SamplingConfig, TrainConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.offline import generate_batch
 from griffin.families import FAMILIES, SLIDING, AttentionLayout, UnsupportedTarget
 from griffin.model import GriffinDraft

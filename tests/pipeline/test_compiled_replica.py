@@ -6,7 +6,8 @@ import torch
 
 from griffin.config import SamplingConfig
 from griffin.decode import speculative_generate
-from griffin.engine import DecodeRequest, SpeculationPolicy
+from griffin.policy import SpeculationPolicy
+from griffin.request import DecodeRequest
 from griffin.model import GriffinDraft
 from pipeline.serve.replica import ReplicaEngine
 from tests.conftest import make_target

@@ -16,6 +16,7 @@ import pytest
 
 from pipeline import lock
 from pipeline.lock import LEASE_NAME, STALE_S, LeaseLost, RunLocked, _acquire, read_lease, run_lock, take_over
+from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
@@ -24,13 +25,6 @@ HOLD = "import sys, time; from pipeline.lock import run_lock\nwith run_lock(sys.
 
 def env():
     return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def wait_for(predicate, timeout=120.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def holder(run_dir, body="    print('held', flush=True); time.sleep(120)\n"):

@@ -13,7 +13,7 @@ from tests.conftest import tiny_deployment
 from griffin.config import SamplingConfig
 from griffin.decode import vanilla_generate
 from griffin.results import GenerationResult, GenerationStats
-from griffin.engine import DecodeRequest, Row
+from griffin.request import DecodeRequest, Row
 from pipeline.data.chat import render_chat
 from pipeline.serve.protocol import completion_text
 from pipeline.serve.sse import TextStream, sse_stream
@@ -220,7 +220,7 @@ def test_an_engine_failure_fails_every_request_with_a_retryable_503(tmp_path, mo
     ends with a 503 error chunk and [DONE], a request waiting for a slot fails the same way, the engine
     says why (the replica's health check reads it), and a new request is refused at once, never left
     to hang."""
-    from griffin.engine import SpeculationPolicy
+    from griffin.policy import SpeculationPolicy
     from pipeline.resources.targets import build_tiny_target
     from pipeline.serve import replica
     from pipeline.serve.protocol import ApiError

@@ -15,14 +15,13 @@ import json
 import math
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 
-from tests.conftest import OracleDraft, first_content, make_target, tiny_deployment
+from tests.conftest import OracleDraft, first_content, make_target, tiny_deployment, wait_for
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
@@ -157,6 +156,7 @@ def server(tmp_path_factory, ray_local):
         tmp_path_factory.mktemp("battery"),
         "serve.max_ongoing_requests=2",
         "serve.max_queued_requests=1",
+        "serve.ingress_replicas=1",  # admission counted in one place: the counts below are exact
         f"serve.max_body_bytes={BODY_LIMIT}",
         f"serve.retry_after_s={RETRY_AFTER}",
         f"target.tiny.max_position_embeddings={CONTEXT}",
@@ -350,16 +350,6 @@ def test_forged_system_turn_through_the_endpoint(server):
 # ---- overload and impatience ----
 def stats(server):
     return server.client.get("/stats").json()
-
-
-def wait_for(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 def test_oversized_bodies_are_413_and_health_is_unaffected(server):

@@ -17,6 +17,7 @@ from tests.conftest import first_content, tiny_deployment
 from pipeline.config import load_config
 from pipeline.serve.auth import KeyCheck, client_headers, key_digest, require_key
 from pipeline.serve.deployment import public_name
+from pipeline.serve.ingress import share
 from pipeline.serve.relay import Admission, Call
 
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
@@ -58,8 +59,8 @@ def test_start_serve_refuses_before_starting_anything(monkeypatch, tmp_path):
 
 
 def test_the_app_admits_in_the_ingress_and_gives_replicas_a_grace_period(monkeypatch, tmp_path):
-    """Completions: max_ongoing_requests per decoder replica (autoscaling: per max_replicas) plus the
-    ingress queue, counted in one ingress replica; Serve's own queues unbounded (they would refuse a
+    """Completions: max_ongoing_requests per decoder replica (at most max_replicas of them) plus the
+    ingress queue, counted by the 2 ingress replicas (each with CPU reserved); Serve's own queues unbounded (they would refuse a
     burst while a replica has room). Both deployments drain for serve.graceful_shutdown_timeout_s. The
     ingress is handed the key's digest, never the key."""
     from pipeline.serve.app import app_builder
@@ -75,8 +76,10 @@ def test_the_app_admits_in_the_ingress_and_gives_replicas_a_grace_period(monkeyp
     ingress = app_builder({"config": str(TINY), "overrides": overrides})._bound_deployment
     decoder_app, edge = ingress.init_args
     decoder = decoder_app._bound_deployment
-    assert (edge.slots, edge.queue, edge.key_digest) == (6, 5, key_digest(KEY)) and KEY not in repr(ingress.init_args)
-    assert (ingress.num_replicas, ingress.max_ongoing_requests, ingress.max_queued_requests) == (1, 6 + 5 + 16, -1)
+    assert (edge.per_replica, edge.most_replicas, edge.queue) == (2, 3, 5)
+    assert edge.key_digest == key_digest(KEY) and KEY not in repr(ingress.init_args)
+    assert (ingress.num_replicas, ingress.max_ongoing_requests, ingress.max_queued_requests) == (2, 6 + 5 + 16, -1)
+    assert ingress.ray_actor_options["num_cpus"] == 0.5  # serve.ingress_num_cpus: CPU of its own
     assert (decoder.max_ongoing_requests, decoder.max_queued_requests) == (6 + 16, -1)
     assert decoder._deployment_config.graceful_shutdown_timeout_s == 42
     assert ingress._deployment_config.graceful_shutdown_timeout_s > 42  # outlives a force-killed decoder
@@ -132,6 +135,42 @@ def test_admission_counts_exactly_and_a_refused_call_ends_cleanly():
         assert admission.admitted == admission.sent == 0
 
     asyncio.run(scenario())
+
+
+def test_admission_follows_its_limits_as_decoder_replicas_come_and_go():
+    """More slots go to the waiting tickets at once, oldest first; fewer take nothing back from calls at
+    the decoders and hold the next; a ticket cancelled after its slot was granted, before it resumed,
+    gives the slot back. Ingress replicas' shares differ by at most one and sum to the whole."""
+
+    async def scenario():
+        admission = Admission(slots=1, queue=3)
+        tickets = [admission.enter() for _ in range(4)]
+        await tickets[0].wait()
+        second, third = asyncio.ensure_future(tickets[1].wait()), asyncio.ensure_future(tickets[2].wait())
+        await asyncio.sleep(0.01)
+        assert not second.done() and not third.done() and admission.waiting == 3
+        admission.resize(2, 3)  # a decoder replica came up
+        await asyncio.wait_for(second, 1)
+        assert not third.done() and admission.sent == 2
+        admission.resize(1, 3)  # ... and went: nothing is taken back
+        tickets[0].release()
+        await asyncio.sleep(0.01)
+        assert not third.done() and admission.sent == 1  # one at the decoders, of one slot
+        tickets[1].release()
+        await asyncio.wait_for(third, 1)
+        fourth = asyncio.ensure_future(tickets[3].wait())
+        await asyncio.sleep(0.01)
+        admission.resize(2, 3)  # granted ...
+        fourth.cancel()  # ... and cancelled before it resumed: the slot goes back
+        with pytest.raises(asyncio.CancelledError):
+            await fourth
+        assert admission.sent == 1 and not tickets[3].holds
+        for ticket in tickets:
+            ticket.release()
+        assert admission.admitted == admission.sent == 0
+
+    asyncio.run(scenario())
+    assert [share(5, rank, 2) for rank in range(2)] == [3, 2] and sum(share(16, rank, 3) for rank in range(3)) == 16
 
 
 def test_a_bug_is_logged_and_answered_without_its_text(caplog):
@@ -202,7 +241,7 @@ def test_models_card_shows_names_not_paths(keyed):
 @pytest.mark.timeout(600)
 def test_sigterm_drains_running_streams_then_exits_zero(tmp_path):
     """`griffin serve` (its own Ray) gets SIGTERM while a stream runs: new requests get 503 +
-    Retry-After (``shutting_down``) from then on, the running stream finishes with its last chunk and
+    Retry-After (``shutting_down``) from every ingress replica from then on, the running stream finishes with its last chunk and
     [DONE], and the process exits 0. The stream is 2,000 tokens (seconds of decoding on a fast machine),
     far longer than the signal takes to reach the ingress (~0.1 s measured)."""
     import signal
@@ -242,8 +281,11 @@ def test_sigterm_drains_running_streams_then_exits_zero(tmp_path):
                     refused = client.post(CHAT, json=GOOD)
                 except httpx.HTTPError:
                     raise AssertionError("".join(output)[-5000:])
+            # every ingress replica drains (the stream's is the busier one: Serve's proxy sends these to the other)
+            after = [client.post(CHAT, json=GOOD).status_code for _ in range(6)]
             rest = [line for line in lines if line.startswith("data: ")]
         assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["Retry-After"]
+        assert after == [503] * 6, after
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert server.wait(timeout=180) == 0, "".join(output)[-3000:]
         assert any(re.match(r"draining: [1-9]\d* requests running", line) for line in output)

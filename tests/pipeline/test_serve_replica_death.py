@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import first_content, tiny_deployment
+from tests.conftest import first_content, tiny_deployment, wait_for
 
 from pipeline.serve.app import APP_NAME
 from pipeline.serve.ingress import CONTROL_TIMEOUT_S
@@ -47,40 +47,31 @@ def server(tmp_path_factory, ray_local):
     with tiny_deployment(
         tmp_path_factory.mktemp("death"),
         "serve.retry_after_s=3",
+        # one decoder replica running, room for two: the ingress admits for the one alive
+        "serve.autoscaling={min_replicas: 1, max_replicas: 2}",
         f"target.tiny.max_position_embeddings={CONTEXT}",
         f"decode.max_context={CONTEXT}",  # above the 8192 default cap
     ) as deployment:
         yield deployment
 
 
-def decoder_pids() -> list[int]:
-    """The live decoder replicas' worker processes (never the ingress's)."""
+def replica_pids(deployment: str = DECODER) -> list[int]:
+    """The live replicas' worker processes of ``deployment`` (the decoder's: never the ingress's)."""
     import ray
     from ray.util.state import list_actors
 
     # this Ray's own State API server (pipeline.runtime.ensure_ray): other Rays may run on this machine
     address = ray.get_runtime_context().runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"]
     actors = list_actors(
-        address,
-        filters=[("class_name", "=", f"ServeReplica:{APP_NAME}:SpeculativeDecoder"), ("state", "=", "ALIVE")],
+        address, filters=[("class_name", "=", f"ServeReplica:{APP_NAME}:{deployment}"), ("state", "=", "ALIVE")]
     )
     return [actor.pid for actor in actors]
-
-
-def wait_for(condition, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
 
 
 def kill_the_decoder(server) -> int:
     """SIGKILLs the one decoder replica as soon as it reports a request decoding; returns its pid. The pid
     is looked up first, so that the kill follows the report within milliseconds."""
-    (pid,) = decoder_pids()
+    (pid,) = replica_pids()
     wait_for(lambda: server.client.get("/stats").json().get("running") == 1)
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -116,7 +107,7 @@ def frozen(pid: int):
 
 def serving_again(server, dead: int) -> None:
     """Serve has replaced the killed replica: a live decoder with another pid answers /health."""
-    wait_for(lambda: (pids := decoder_pids()) and dead not in pids)
+    wait_for(lambda: (pids := replica_pids()) and dead not in pids)
     wait_for(lambda: server.client.get("/health").status_code == 200)
 
 
@@ -185,7 +176,7 @@ def test_a_redeploy_lets_running_streams_finish(server):
     replica STOPPING) while the stream's decode is held mid-way (SIGSTOP from its first content chunk,
     999 rounds from its end), and once resumed the stream ends as usual (its finish_reason, [DONE]),
     before Serve has replaced the replica."""
-    (old,) = decoder_pids()
+    (old,) = replica_pids()
     with server.client.stream("POST", CHAT, json={**LONG, "max_tokens": 1000, "stream": True}) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -208,7 +199,7 @@ def test_a_redeploy_past_the_grace_period_ends_streams_with_an_error_chunk(serve
     cannot finish within the grace period however fast the machine."""
     redeploy(server, graceful_shutdown_timeout_s=1.0).join(180)  # the running replica's grace period
     wait_for(lambda: server.client.get("/health").status_code == 200)
-    (old,) = decoder_pids()
+    (old,) = replica_pids()
     with server.client.stream("POST", CHAT, json={**LONG, "stream": True}) as response:
         lines = response.iter_lines()
         first_content(lines)  # the decode has committed tokens
@@ -232,7 +223,7 @@ def test_a_replica_whose_engine_fails_answers_503_and_is_replaced(server):
     from pipeline.serve.replica import FAULT_ENV
 
     wait_for(lambda: server.client.get("/health").status_code == 200)
-    (pid,) = decoder_pids()
+    (pid,) = replica_pids()
     Path(os.environ[FAULT_ENV]).write_text("0")
     failed = server.client.post(CHAT, json={**LONG, "max_tokens": 12})
     assert failed.status_code == 503 and failed.headers["Retry-After"] == "3"
@@ -255,3 +246,31 @@ def test_the_replacement_replica_serves_normally(server):
     streamed = "".join(json.loads(line)["choices"][0]["delta"].get("content", "") for line in lines[:-2])
     assert streamed == whole.json()["choices"][0]["message"]["content"]  # greedy: the same text both ways
     assert server.client.get("/stats").json()["recent"][-1]["outcome"] == "finished"
+
+
+def ingress_admissions(server) -> dict[int, dict]:
+    """Every ingress replica's admission, by rank, as its /stats reports it (Serve's proxy sends each
+    call to either)."""
+    seen: dict[int, dict] = {}
+
+    def every_replica():
+        ingress = server.client.get("/stats").json()["ingress"]
+        seen[ingress["replica"]] = ingress
+        return len(seen) == ingress["replicas"] and seen
+
+    return wait_for(every_replica, what="/stats from every ingress replica")
+
+
+def test_the_ingress_replicas_share_admission_for_the_decoders_alive_and_outlive_each_other(server):
+    """serve.ingress_replicas' default 2, each with its share of the limits for the decoder replicas
+    running: 1 of the module's 1 to 2 (autoscaling), so max_ongoing_requests' 8 slots, not 16, split
+    4 + 4, and the queue's 16 split 8 + 8. One ingress replica SIGKILLed: the other answers every
+    request meanwhile, and Serve replaces it."""
+    admissions = ingress_admissions(server)
+    assert [(admissions[rank]["slots"], admissions[rank]["queue"]) for rank in (0, 1)] == [(4, 8), (4, 8)]
+    killed = replica_pids("Ingress")[0]
+    os.kill(killed, signal.SIGKILL)
+    answers = [server.client.post(CHAT, json={**LONG, "max_tokens": 4}) for _ in range(8)]
+    assert [answer.status_code for answer in answers] == [200] * 8, [answer.text for answer in answers]
+    wait_for(lambda: len(pids := replica_pids("Ingress")) == 2 and killed not in pids, what="a new ingress replica")
+    assert sorted(ingress_admissions(server)) == [0, 1]
