@@ -132,14 +132,17 @@ class BatchEngine:
             return
         modes = [(SamplingConfig(), True), (SamplingConfig(), False)]
         modes += [(SamplingConfig(temperature=1.0), True)] if self.policy.sampling_tree is not None else []
-        for batch in batches:
-            for sampling, speculative in modes:
-                for b in range(batch):
-                    prompt = list(range(1, 17 + b))
-                    self.submit(
-                        DecodeRequest(prompt, sampling, 2 * MIN_BUCKET, 0, stop_token_ids=[], speculative=speculative)
-                    )
-                self.run_until_idle()
+        chunk, self.prefill_chunk = self.prefill_chunk, None  # each batch's rows join in one step, together
+        try:
+            for batch in batches:
+                for sampling, speculative in modes:
+                    for b in range(batch):
+                        prompt = list(range(1, 17 + b))
+                        request = DecodeRequest(prompt, sampling, 2 * MIN_BUCKET, 0, [], speculative=speculative)
+                        self.submit(request)
+                    self.run_until_idle()
+        finally:
+            self.prefill_chunk = chunk
 
     # ---- one round ----
     def step(self) -> None:

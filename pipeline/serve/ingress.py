@@ -24,8 +24,8 @@ round. /health, /v1/models and /stats ask a decoder replica, on the slots Serve 
 """
 
 import asyncio
-import itertools
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -113,9 +113,9 @@ class Ingress:
         context = serve.get_replica_context()
         self.rank, self.ingresses = context.rank.rank, max(context.world_size, 1)
         self.admission = Admission(*self._limits(1))  # until the first count of the decoders running
-        # the constructor runs on the replica's event loop: the count follows from there
-        self.follower = asyncio.get_running_loop().create_task(self._follow())
         self.draining = False  # griffin serve's drain: new completions get 503 while the running ones finish
+        # the constructor runs on the replica's event loop: the count and the drain follow from there
+        self.follower = asyncio.get_running_loop().create_task(self._follow())
         self.keys = KeyCheck(edge.key_digest)
         self.counters = _counters(edge.model_id)
 
@@ -134,18 +134,20 @@ class Ingress:
         running, one replica's slots: requests wait here for its replacement. Every ``drain.POLL_S``,
         ``griffin serve``'s drain board (pipeline.serve.drain) hears this replica's count and says
         whether to drain."""
-        board, polls = None, round(FOLLOW_S / POLL_S)
-        for tick in itertools.count():
+        board, counted = None, float("-inf")
+        while True:
             try:
-                if tick % polls == 0:
+                if time.monotonic() - counted >= FOLLOW_S:
+                    counted = time.monotonic()
                     alive, board = await asyncio.to_thread(self._look_around, board)
                     self.admission.resize(*self._limits(alive))
                 if board is not None:
-                    self.draining = await board.report.remote(self.rank, self.admission.admitted) or self.draining
+                    report = board.report.remote(self.rank, self.admission.admitted)
+                    self.draining = await asyncio.wait_for(report, CONTROL_TIMEOUT_S) or self.draining
             except Exception:  # the controller or the board restarting: keep the last limits, look again
                 logger.warning("could not count the decoder replicas or read the drain board", exc_info=True)
                 board = None
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(POLL_S if board is not None else FOLLOW_S)  # idle unless griffin serve may drain
 
     def _look_around(self, board: Any) -> tuple[int, Any]:
         """(decoder replicas running, the drain board or None); blocking calls, off the event loop."""
