@@ -42,11 +42,12 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
 config_overrides() {  # one override a line: the pipeline on the GPU reads the carried ShareGPT subset;
-  # a dry run cuts every size down, on the CPU (the training worker leaves CPUs for the stream's Ray Data tasks)
+  # a dry run cuts every size down, on the CPU (the training worker leaves CPUs for the stream's Ray Data
+  # tasks; the decoder replica leaves one for the two ingress replicas' halves)
   printf '%s\n' "data.source=$STAGE/bundle/data/sharegpt.json" "output_dir=$OUT/pipeline"
   [ "$DRY" = 1 ] || printf '%s\n' "decode.tune_batches=[1]"  # the batch-8 policy: ~2 minutes of compiles more
   [ "$DRY" = 1 ] && printf '%s\n' target.device=cpu target.dtype=auto features.gpus_per_actor=0 \
-    train.use_gpu=false train.precision=auto serve.num_gpus=0 serve.max_batch=4 serve.max_ongoing_requests=4 \
+    train.use_gpu=false train.precision=auto serve.num_gpus=0 serve.num_cpus=3 serve.max_batch=4 serve.max_ongoing_requests=4 \
     cluster.num_cpus=4 train.cpus_per_worker=2 data.limit=12 "train.schedule=[{stage: 3, steps: 2, lr: 0.00002}]" train.eval_every=2 \
     train.checkpoint_every=2 decode.tune_prompts=2 decode.tune_max_new_tokens=16 "decode.tune_batches=[1, 2]" \
     decode.tree.total_tokens=12 decode.tree.depth=3 decode.tree.top_k=4 eval.num_questions=1 eval.max_new_tokens=16

@@ -27,11 +27,39 @@ def start_serve(cfg: RunConfig) -> str:
 
     require_key(cfg.serve)  # before anything starts: a host reachable from outside needs a key
     ensure_ray(cfg)
+    check_serve_fits(cfg)
     serve.start(
         http_options={"host": cfg.serve.host, "port": cfg.serve.port, "request_timeout_s": cfg.serve.request_timeout_s}
     )
     serve.run(app_builder(ServeArgs(run_config=cfg.resolved())), name=APP_NAME, route_prefix="/")
     return serve_url(cfg)
+
+
+def check_serve_fits(cfg: RunConfig) -> None:
+    """A local Ray cannot grow: refuse an application whose replicas it can never hold at once (Serve
+    would wait for them without end), naming the settings. A cluster's autoscaler adds nodes instead."""
+    import ray
+
+    from pipeline.runtime import cluster_address
+
+    if cluster_address(cfg) is not None:
+        return
+    section = cfg.serve
+    decoders = (section.autoscaling or {}).get("min_replicas", 1) if section.autoscaling else section.num_replicas
+    needs = {
+        "CPU": decoders * section.num_cpus + section.ingress_replicas * section.ingress_num_cpus,
+        "GPU": decoders * section.num_gpus,
+    }
+    have = ray.cluster_resources()
+    short = {kind: (need, have.get(kind, 0.0)) for kind, need in needs.items() if need > have.get(kind, 0.0)}
+    if short:
+        raise ValueError(
+            "the local Ray cannot hold the application: "
+            + "; ".join(f"{need:g} {kind} needed, it has {got:g}" for kind, (need, got) in short.items())
+            + f" ({decoders} decoder replica(s) x serve.num_cpus={section.num_cpus:g}, serve.num_gpus="
+            f"{section.num_gpus:g}; serve.ingress_replicas={section.ingress_replicas} x serve.ingress_num_cpus="
+            f"{section.ingress_num_cpus:g}). Lower them, or give the local Ray more (cluster.num_cpus)"
+        )
 
 
 def stop_serve() -> None:

@@ -85,6 +85,23 @@ def test_the_app_admits_in_the_ingress_and_gives_replicas_a_grace_period(monkeyp
     assert ingress._deployment_config.graceful_shutdown_timeout_s > 42  # outlives a force-killed decoder
 
 
+def test_an_application_the_local_ray_cannot_hold_is_refused_by_name(ray_local, tmp_path):
+    """The suite's local Ray (tiny.yaml: 6 CPUs, no GPU) cannot grow: a decoder and two ingress replicas
+    that need more are refused before anything deploys, with the settings named (Serve would wait)."""
+    from pipeline.serve import lifecycle
+
+    too_big = load_config(TINY, [f"output_dir={tmp_path}", "serve.num_cpus=6"])
+    with pytest.raises(ValueError) as refused:
+        lifecycle.start_serve(too_big)
+    message = str(refused.value)
+    assert "7 CPU needed, it has 6" in message and "serve.ingress_replicas=2 x serve.ingress_num_cpus=0.5" in message
+    assert "1 decoder replica(s) x serve.num_cpus=6" in message
+    gpu = load_config(TINY, [f"output_dir={tmp_path}", "serve.num_gpus=1"])
+    with pytest.raises(ValueError, match="1 GPU needed, it has 0"):
+        lifecycle.check_serve_fits(gpu)
+    lifecycle.check_serve_fits(load_config(TINY, [f"output_dir={tmp_path}"]))  # the default fits
+
+
 def test_the_key_is_checked_as_a_bearer_token():
     def request(header: str | None):
         headers = [] if header is None else [(b"authorization", header.encode())]
