@@ -35,7 +35,7 @@ from pipeline.data.store import check_capture_key
 from pipeline.train import failures
 from pipeline.data.parts import ACTOR_START_S
 from pipeline.train.inputs import (
-    check_online_fits,
+    check_stage_fits,
     data_config,
     estimated_bytes,
     materialize,
@@ -335,8 +335,10 @@ def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[st
     (``pipeline.train.inputs``), the online held-out rows always (their target actors then start once a
     run, not once a stage): built when the first stage to run starts, so that a rerun whose stages
     are all complete reads nothing."""
-    if cfg.train.features == "online":  # never workers waiting on feature actors that cannot start
-        check_online_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
+    # never workers waiting on feature actors or read tasks that cannot start: online on any cluster (after
+    # its autoscaler had time), offline where Ray Train cannot grow it either (a local Ray)
+    if cfg.train.features == "online" or cluster_address(cfg) is None:
+        check_stage_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
     parts, held_out = data["inputs"](eval_ids)
     hold = should_materialize(cfg.train.materialize, data["bytes"])
     if hold:

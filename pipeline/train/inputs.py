@@ -149,9 +149,15 @@ def stored_eval(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_i
     return reblock(selected)
 
 
-def online_bundles(cfg: RunConfig) -> list[dict[str, float]]:
-    """The resources an online stage holds at once: a bundle per training worker and per feature actor."""
+STREAM_TASK_CPUS = 1.0  # an offline stage's stream reads its parts in Ray Data tasks while the workers train
+
+
+def stage_bundles(cfg: RunConfig) -> list[dict[str, float]]:
+    """The resources a stage holds at once: a bundle per training worker, and per feature actor
+    (online) or a CPU for the stream's read tasks (offline)."""
     worker = {"CPU": cfg.train.cpus_per_worker, **({"GPU": 1.0} if cfg.train.use_gpu else {})}
+    if cfg.train.features == "offline":
+        return [worker] * cfg.train.num_workers + [{"CPU": STREAM_TASK_CPUS}]
     actor = {
         "CPU": cfg.features.cpus_per_actor,
         **({"GPU": cfg.features.gpus_per_actor} if cfg.features.gpus_per_actor else {}),
@@ -159,16 +165,16 @@ def online_bundles(cfg: RunConfig) -> list[dict[str, float]]:
     return [worker] * cfg.train.num_workers + [actor] * cfg.features.num_actors
 
 
-def check_online_fits(cfg: RunConfig, wait_s: float) -> None:
-    """Refuse an online stage the cluster cannot hold at once (its workers would wait for feature actors
-    that never start), after asking the autoscaler for it (a no-op without one) and waiting up to
-    ``wait_s`` for the cluster to grow."""
+def check_stage_fits(cfg: RunConfig, wait_s: float) -> None:
+    """Refuse a stage the cluster cannot hold at once (its workers would wait for feature actors or
+    read tasks that never start, behind Ray Data's warning), after asking the autoscaler for it (a
+    no-op without one) and waiting up to ``wait_s`` for the cluster to grow."""
     import time
 
     import ray
     from ray.autoscaler.sdk import request_resources
 
-    bundles = online_bundles(cfg)
+    bundles = stage_bundles(cfg)
     needs = {key: sum(bundle.get(key, 0.0) for bundle in bundles) for key in ("CPU", "GPU")}
     request_resources(bundles=bundles)
     deadline = time.monotonic() + wait_s
@@ -186,13 +192,21 @@ def check_online_fits(cfg: RunConfig, wait_s: float) -> None:
 
 
 def _too_small(cfg: RunConfig, short: dict[str, tuple[float, float]]) -> str:
+    online = cfg.train.features == "online"
+    beside = (
+        f"features.num_actors={cfg.features.num_actors}, features.cpus_per_actor={cfg.features.cpus_per_actor:g}, "
+        f"features.gpus_per_actor={cfg.features.gpus_per_actor:g}"
+        if online
+        else f"{STREAM_TASK_CPUS:g} CPU for the stream's read tasks"
+    )
     return (
-        "train.features=online holds the training workers and the feature actors at once: "
+        f"train.features={cfg.train.features} holds the training workers and "
+        + ("the feature actors" if online else "the stream's read tasks")
+        + " at once: "
         + "; ".join(f"{n:g} {k} needed, the cluster has {have:g}" for k, (n, have) in short.items())
         + f" (train.num_workers={cfg.train.num_workers}, train.cpus_per_worker={cfg.train.cpus_per_worker:g}, "
-        f"train.use_gpu={cfg.train.use_gpu}; features.num_actors={cfg.features.num_actors}, features."
-        f"cpus_per_actor={cfg.features.cpus_per_actor:g}, features.gpus_per_actor={cfg.features.gpus_per_actor:g}). "
-        "Lower them, grow the cluster, or featurize a store first (`griffin featurize`, then train.features=offline)"
+        f"train.use_gpu={cfg.train.use_gpu}; {beside}). Lower them or grow the cluster (cluster.num_cpus on a local Ray)"
+        + (", or featurize a store first (`griffin featurize`, then train.features=offline)" if online else "")
     )
 
 

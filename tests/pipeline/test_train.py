@@ -249,19 +249,24 @@ def test_a_preemption_notice_saves_a_checkpoint_at_once(store, tmp_path):
     assert (stage_dir(cfg, 1) / "_complete.json").exists()
 
 
-def test_an_online_stage_the_cluster_cannot_hold_is_refused_by_name(ray_local):
-    """Online, the training workers and the feature actors run at once: a cluster (here the session's 6
-    logical CPUs, no GPU) too small for both is refused before any actor waits, naming what is short."""
-    from pipeline.train.inputs import check_online_fits
+def test_a_stage_the_cluster_cannot_hold_is_refused_by_name(ray_local):
+    """Online, the training workers and the feature actors run at once; offline, the workers and the
+    stream's read tasks. A cluster (here the session's 6 logical CPUs, no GPU) too small for them is
+    refused before anything waits, naming what is short and the settings."""
+    from pipeline.train.inputs import check_stage_fits
 
-    fits = load_config("jobs/configs/tiny.yaml", ["train.features=online", "train.num_workers=2"])
-    check_online_fits(fits, wait_s=0)
-    cpus = load_config("jobs/configs/tiny.yaml", ["train.num_workers=4", "features.num_actors=4"])
+    online = ["train.features=online"]
+    check_stage_fits(load_config("jobs/configs/tiny.yaml", [*online, "train.num_workers=2"]), wait_s=0)
+    cpus = load_config("jobs/configs/tiny.yaml", [*online, "train.num_workers=4", "features.num_actors=4"])
     with pytest.raises(ValueError, match=r"8 CPU needed, the cluster has 6 .*train.num_workers=4"):
-        check_online_fits(cpus, wait_s=0)
-    gpus = load_config("jobs/configs/tiny.yaml", ["features.gpus_per_actor=1"])
+        check_stage_fits(cpus, wait_s=0)
+    gpus = load_config("jobs/configs/tiny.yaml", [*online, "features.gpus_per_actor=1"])
     with pytest.raises(ValueError, match=r"1 GPU needed, the cluster has 0 .*features.gpus_per_actor=1"):
-        check_online_fits(gpus, wait_s=0)
+        check_stage_fits(gpus, wait_s=0)
+    check_stage_fits(load_config("jobs/configs/tiny.yaml", ["train.num_workers=5"]), wait_s=0)  # 5 + 1 read
+    every_cpu = load_config("jobs/configs/tiny.yaml", ["train.num_workers=2", "train.cpus_per_worker=3"])
+    with pytest.raises(ValueError, match=r"train.features=offline .* 7 CPU needed, the cluster has 6 .*read tasks"):
+        check_stage_fits(every_cpu, wait_s=0)
 
 
 def test_rerun_skips_completed_stages(schedule_run, capsys):
