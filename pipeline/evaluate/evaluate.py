@@ -192,12 +192,19 @@ def _json_or_none(line: str) -> Any:
         return None
 
 
+# Settings that change where a through-Serve evaluation's endpoint listens, never what it measures: a rerun
+# on another port reuses the finished evaluation.
+ENDPOINT_ADDRESS = ("host", "port")
+
+
 def eval_key(cfg: RunConfig, target: Any, drafts: dict[str, Any]) -> str:
-    """What decides an evaluation's results: the whole config, the target's identity (files or weights), every draft's
-    weights (an alias such as @candidate may point at new weights between two runs) and the machine
-    (the speeds are this machine's)."""
+    """What decides an evaluation's results: the whole config but where the endpoint listens, the target's
+    identity (files or weights), every draft's weights (an alias such as @candidate may point at new weights
+    between two runs) and the machine (the speeds are this machine's)."""
+    config = cfg.model_dump(mode="json")
+    config["serve"] = {k: v for k, v in config["serve"].items() if k not in ENDPOINT_ADDRESS}
     identity = {
-        "config": cfg.model_dump(mode="json"),
+        "config": config,
         "target": {k: v for k, v in target_fingerprint(target).items() if k in (FILES, WEIGHTS)},
         "drafts": {label: tensors_sha256(draft.state_dict()) for label, draft in drafts.items()},
         "machine": machine_identity(),

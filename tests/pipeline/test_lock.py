@@ -16,7 +16,7 @@ import pytest
 
 from pipeline import lock
 from pipeline.lock import LEASE_NAME, STALE_S, LeaseLost, RunLocked, _acquire, read_lease, run_lock, take_over
-from tests.conftest import wait_for
+from tests.conftest import joining_env, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
@@ -188,12 +188,13 @@ def test_a_store_outside_the_run_directory_has_its_own_lease(tmp_path):
 
 
 def featurize(out, *extra, **kwargs):
+    """A real `griffin featurize`, joined to the session's Ray (``ray_local``)."""
     args = [*GRIFFIN, "featurize", "-c", "jobs/configs/tiny.yaml", f"output_dir={out}", "data.limit=4", *extra]
-    return subprocess.Popen(args, cwd=REPO, env=env(), text=True, stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen(args, cwd=REPO, env=joining_env(), text=True, stderr=subprocess.PIPE, **kwargs)
 
 
 @pytest.mark.timeout(600)
-def test_second_featurize_on_one_output_dir_is_refused_and_the_first_finishes(tmp_path):
+def test_second_featurize_on_one_output_dir_is_refused_and_the_first_finishes(tmp_path, ray_local):
     """The first is stopped (SIGSTOP) once it holds the lease, so the second surely meets it; it is refused
     with the holder named and touches nothing; the first then finishes a store that verifies."""
     lease = tmp_path / "tiny" / LEASE_NAME
@@ -226,7 +227,7 @@ def test_second_featurize_on_one_output_dir_is_refused_and_the_first_finishes(tm
 
 
 @pytest.mark.timeout(600)
-def test_featurize_takes_over_the_lease_of_a_sigkilled_featurize(tmp_path):
+def test_featurize_takes_over_the_lease_of_a_sigkilled_featurize(tmp_path, ray_local):
     lease = tmp_path / "tiny" / LEASE_NAME
     killed = featurize(tmp_path, stdout=subprocess.DEVNULL)
     wait_for(lambda: read_lease(lease) is not None, what="the first featurize's lease")

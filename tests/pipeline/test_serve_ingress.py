@@ -12,7 +12,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from tests.conftest import first_content, tiny_deployment
+from tests.conftest import first_content, tiny_deployment, wait_for
 
 from pipeline.config import load_config
 from pipeline.serve.auth import KeyCheck, client_headers, key_digest, require_key
@@ -298,7 +298,10 @@ def test_sigterm_drains_running_streams_then_exits_zero(tmp_path):
                     refused = client.post(CHAT, json=GOOD)
                 except httpx.HTTPError:
                     raise AssertionError("".join(output)[-5000:])
-            # every ingress replica drains (the stream's is the busier one: Serve's proxy sends these to the other)
+            # once griffin serve says it drains, every ingress replica has heard it (each polls the board: one
+            # may admit a request for up to a poll after another refuses, and that one is served whole)
+            wait_for(lambda: any(line.startswith("draining:") for line in output), 60, "the drain line")
+            # ... and refuses (the stream's is the busier one: Serve's proxy sends these to the other)
             after = [client.post(CHAT, json=GOOD).status_code for _ in range(6)]
             rest = [line for line in lines if line.startswith("data: ")]
         assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["Retry-After"]

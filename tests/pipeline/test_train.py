@@ -1,6 +1,6 @@
 """Ray Train stage: a schedule of stages, resume, worker restart, best checkpoint, MLflow, 2-rank DDP. A
 run that fails and is rerun resumes bit for bit: here at 2 ranks (the same-crash test), and
-tests/test_e2e_resume.py with `griffin run` killed."""
+tests/test_e2e.py with `griffin run` killed."""
 
 import json
 from pathlib import Path
