@@ -67,6 +67,20 @@ def cluster_address(cfg: RunConfig) -> str | None:
     return cfg.cluster.address or os.environ.get("RAY_ADDRESS")
 
 
+def resource_shortfall(needs: Mapping[str, float]) -> dict[str, tuple[float, float]]:
+    """The resources of ``needs`` (CPU, GPU, ...) the Ray cluster holds less of than needed right now:
+    kind -> (needed, held). Empty when everything fits."""
+    import ray
+
+    have = ray.cluster_resources()
+    return {kind: (need, have.get(kind, 0.0)) for kind, need in needs.items() if need > have.get(kind, 0.0)}
+
+
+def describe_shortfall(short: Mapping[str, tuple[float, float]], holder: str) -> str:
+    """``resource_shortfall``'s answer in words: "7 CPU needed, the cluster has 6; ..."."""
+    return "; ".join(f"{need:g} {kind} needed, {holder} has {held:g}" for kind, (need, held) in short.items())
+
+
 def free_port() -> int:
     """A port nothing on 127.0.0.1 listens on right now."""
     with socket.socket() as sock:

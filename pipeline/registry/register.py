@@ -112,13 +112,15 @@ def pyfunc_signature() -> Any:
 
 def pyfunc_config(cfg: RunConfig) -> dict[str, Any]:
     """What ``pipeline/serve/pyfunc.py`` loads with: the target the draft's lineage was checked against,
-    the trees (``decode.tree``, and ``decode.sampling_tree`` for T > 0), the default ``params``; ``device``
-    (None: the target section's) may be overridden at load."""
+    the trees (``decode.tree``, and ``decode.sampling_tree`` for T > 0), the context cap
+    (``decode.max_context``: a decode's KV is sized to it, never to a 128k target's whole context), the
+    default ``params``; ``device`` (None: the target section's) and ``max_context`` may be overridden at load."""
     sampling_tree = cfg.decode.sampling_tree
     return {
         "target": cfg.target.model_dump(mode="json"),
         "tree": cfg.decode.tree.model_dump(mode="json"),
         "sampling_tree": sampling_tree.model_dump(mode="json") if sampling_tree else None,
+        "max_context": cfg.decode.max_context,
         "params": PREDICT_PARAMS,
         "device": None,
     }

@@ -38,9 +38,7 @@ def start_serve(cfg: RunConfig) -> str:
 def check_serve_fits(cfg: RunConfig) -> None:
     """A local Ray cannot grow: refuse an application whose replicas it can never hold at once (Serve
     would wait for them without end), naming the settings. A cluster's autoscaler adds nodes instead."""
-    import ray
-
-    from pipeline.runtime import cluster_address
+    from pipeline.runtime import cluster_address, describe_shortfall, resource_shortfall
 
     if cluster_address(cfg) is not None:
         return
@@ -50,12 +48,10 @@ def check_serve_fits(cfg: RunConfig) -> None:
         "CPU": decoders * section.num_cpus + section.ingress_replicas * section.ingress_num_cpus,
         "GPU": decoders * section.num_gpus,
     }
-    have = ray.cluster_resources()
-    short = {kind: (need, have.get(kind, 0.0)) for kind, need in needs.items() if need > have.get(kind, 0.0)}
-    if short:
+    if short := resource_shortfall(needs):
         raise ValueError(
             "the local Ray cannot hold the application: "
-            + "; ".join(f"{need:g} {kind} needed, it has {got:g}" for kind, (need, got) in short.items())
+            + describe_shortfall(short, "it")
             + f" ({decoders} decoder replica(s) x serve.num_cpus={section.num_cpus:g}, serve.num_gpus="
             f"{section.num_gpus:g}; serve.ingress_replicas={section.ingress_replicas} x serve.ingress_num_cpus="
             f"{section.ingress_num_cpus:g}). Lower them, or give the local Ray more (cluster.num_cpus)"

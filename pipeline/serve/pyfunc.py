@@ -11,9 +11,11 @@ it), decoded by ``griffin.decode.speculative_generate`` and cut at the stop toke
 runs it at load time, after putting the model's ``code_paths`` (this repository's ``griffin`` and
 ``pipeline`` packages) on ``sys.path``; nothing is pickled. The model's config (``model_config``)
 records the ``target`` section that registration checked the draft's lineage against, the trees
-(``decode.tree``; ``decode.sampling_tree`` at T > 0, the rule of a replica's policy) and the
-default ``params``; loading builds that target, checks the lineage again and binds the draft to it.
-``load_model(uri, model_config={"device": "cuda"})`` places the target elsewhere than recorded.
+(``decode.tree``; ``decode.sampling_tree`` at T > 0, the rule of a replica's policy), the context cap
+(``decode.max_context``: prompt + new tokens, and the KV cache's size) and the default ``params``;
+loading builds that target, checks the lineage again and binds the draft to it.
+``load_model(uri, model_config={"device": "cuda", "max_context": 4096})`` places the target elsewhere
+than recorded, or caps it otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from griffin.config import TreeConfig
         from griffin.policy import SpeculationPolicy
-        from pipeline.config import TargetSection
+        from pipeline.config import DecodeSection, TargetSection
         from pipeline.resources.drafts import ARTIFACT_KEY, load_draft_dir
         from pipeline.resources.targets import load_target
 
@@ -35,7 +37,9 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
         section = TargetSection(**config["target"])
         if config.get("device"):
             section = section.model_copy(update={"device": config["device"]})
-        self.target = load_target(section, decoding=True)
+        # a version registered before its cap was recorded: decode.max_context's default, not the whole context
+        max_context = config.get("max_context", DecodeSection.model_fields["max_context"].default)
+        self.target = load_target(section, decoding=True, max_context=max_context)
         self.draft = load_draft_dir(context.artifacts[ARTIFACT_KEY], self.target, "the registered model's draft")
         # the rule of a replica's policy (SpeculationPolicy.tree_for): ``sampling_tree`` for T > 0 when set;
         # a version registered before it was recorded has none

@@ -30,6 +30,7 @@ from pipeline.config import RunConfig
 from pipeline.data.heldout import heldout_parts
 from pipeline.data.part_files import parts_dataset
 from pipeline.data.parts import carry
+from pipeline.runtime import describe_shortfall, resource_shortfall
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
 ROWS_PER_BLOCK = 16
@@ -171,7 +172,6 @@ def check_stage_fits(cfg: RunConfig, wait_s: float) -> None:
     no-op without one) and waiting up to ``wait_s`` for the cluster to grow."""
     import time
 
-    import ray
     from ray.autoscaler.sdk import request_resources
 
     bundles = stage_bundles(cfg)
@@ -180,9 +180,7 @@ def check_stage_fits(cfg: RunConfig, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     try:
         while True:
-            have = ray.cluster_resources()
-            short = {k: (n, have.get(k, 0.0)) for k, n in needs.items() if n > have.get(k, 0.0)}
-            if not short:
+            if not (short := resource_shortfall(needs)):
                 return
             if time.monotonic() >= deadline:
                 raise ValueError(_too_small(cfg, short))
@@ -203,7 +201,7 @@ def _too_small(cfg: RunConfig, short: dict[str, tuple[float, float]]) -> str:
         f"train.features={cfg.train.features} holds the training workers and "
         + ("the feature actors" if online else "the stream's read tasks")
         + " at once: "
-        + "; ".join(f"{n:g} {k} needed, the cluster has {have:g}" for k, (n, have) in short.items())
+        + describe_shortfall(short, "the cluster")
         + f" (train.num_workers={cfg.train.num_workers}, train.cpus_per_worker={cfg.train.cpus_per_worker:g}, "
         f"train.use_gpu={cfg.train.use_gpu}; {beside}). Lower them or grow the cluster (cluster.num_cpus on a local Ray)"
         + (", or featurize a store first (`griffin featurize`, then train.features=offline)" if online else "")

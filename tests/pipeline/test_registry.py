@@ -124,7 +124,8 @@ def test_register_alias_load(store, target, tmp_path):
 
 def test_the_pyfunc_samples_with_the_sampling_tree(store, target, tmp_path, monkeypatch):
     """A version registered with ``decode.sampling_tree`` drafts that tree at T > 0 and ``decode.tree`` at
-    T=0 (a replica's rule), and its seeded T=1 text is the target's own seeded text."""
+    T=0 (a replica's rule), and its seeded T=1 text is the target's own seeded text. Its target is capped
+    at the registered ``decode.max_context`` (a decode's KV is sized to it), or at load's ``max_context``."""
     import mlflow
 
     import griffin.decode
@@ -135,11 +136,17 @@ def test_the_pyfunc_samples_with_the_sampling_tree(store, target, tmp_path, monk
     from pipeline.serve.protocol import completion_text
 
     cfg = make_cfg(
-        store, "registry.model_name=sampling-tree", "decode.sampling_tree={total_tokens: 4, depth: 1, top_k: 3}"
+        store,
+        "registry.model_name=sampling-tree",
+        "decode.sampling_tree={total_tokens: 4, depth: 1, top_k: 3}",
+        "decode.max_context=64",
     )
     make_draft(cfg, target, tmp_path / "d")
     registry.register(cfg, tmp_path / "d")
     pyfunc = mlflow.pyfunc.load_model("models:/sampling-tree@candidate")
+    assert pyfunc.unwrap_python_model().target.max_context == 64
+    capped = mlflow.pyfunc.load_model("models:/sampling-tree@candidate", model_config={"max_context": 32})
+    assert capped.unwrap_python_model().target.max_context == 32
     trees, generate = [], griffin.decode.speculative_generate  # predict imports it when it runs
     monkeypatch.setattr(griffin.decode, "speculative_generate", lambda *a: trees.append(a[3]) or generate(*a))
     pyfunc.predict({"prompt": ["hi"]}, params={"max_new_tokens": 2, "temperature": 0.0})
