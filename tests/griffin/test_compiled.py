@@ -19,6 +19,9 @@ from griffin.target import TargetAdapter
 from tests.conftest import make_target
 
 TREE = TreeConfig(total_tokens=12, depth=3, top_k=4)
+# The qwen2 target's second layer attends to a window of 3 positions (the first to all): per-layer-kind
+# masks through the compiled steps, alone and in the batch test, on the suite's one compiled windowed target.
+WINDOWED = dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)
 NEW = MIN_BUCKET + 16  # from a 20-token prompt, the widths cross from the first bucket into the next
 
 
@@ -41,7 +44,8 @@ GRAPHS_AT_RESET: dict[str, int] = {}  # architecture -> compiled_graphs() when i
 def models(request):
     torch._dynamo.reset()
     GRAPHS_AT_RESET[request.param] = compiled_graphs()
-    target = make_target(request.param)
+    target = make_target(request.param, **(WINDOWED if request.param == "qwen2" else {}))
+    assert request.param != "qwen2" or target.hf_config.layer_types == ["full_attention", "sliding_attention"]
     torch.manual_seed(1)
     return target, compiled_twin(target), GriffinDraft.for_target(target, variant="griffin")
 
@@ -72,11 +76,13 @@ def test_compiled_equals_eager_token_for_token(models, temperature):
     assert not graph_breaks, f"the compiled decode steps broke their graphs: {graph_breaks}"
 
 
-@pytest.mark.parametrize("models", ["llama"], indirect=True)  # one architecture: compiling costs ~30 s a test
+# one architecture, the windowed one: compiling costs ~30 s a test
+@pytest.mark.parametrize("models", ["qwen2"], indirect=True)
 def test_compiled_batch_equals_eager(models, monkeypatch):
-    """Rows of different lengths decode together, one of them plainly (speculative: false); a
-    policy switches to plain rounds at batch 3 and back as rows leave: every row equals its eager decode, and every
-    compiled catch-up is padded to a power of two (a shape per bucket, not per length)."""
+    """Rows of different lengths decode together over a full layer and a window-3 one, one of them plainly
+    (speculative: false); a policy switches to plain rounds at batch 3 and back as rows leave: every row
+    equals its eager decode, and every compiled catch-up is padded to a power of two (a shape per bucket,
+    not per length)."""
     import griffin.engine
 
     target, twin, draft = models
