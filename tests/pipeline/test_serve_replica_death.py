@@ -68,11 +68,11 @@ def replica_pids(deployment: str = DECODER) -> list[int]:
     return [actor.pid for actor in actors]
 
 
-def kill_the_decoder(server) -> int:
-    """SIGKILLs the one decoder replica as soon as it reports a request decoding; returns its pid. The pid
-    is looked up first, so that the kill follows the report within milliseconds."""
+def kill_the_decoder(server, running: int = 1) -> int:
+    """SIGKILLs the one decoder replica as soon as it reports ``running`` requests decoding; returns its pid.
+    The pid is looked up first, so that the kill follows the report within milliseconds."""
     (pid,) = replica_pids()
-    wait_for(lambda: server.client.get("/stats").json().get("running") == 1)
+    wait_for(lambda: server.client.get("/stats").json().get("running") == running)
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -111,40 +111,32 @@ def serving_again(server, dead: int) -> None:
     wait_for(lambda: server.client.get("/health").status_code == 200)
 
 
-def test_a_stream_whose_replica_dies_ends_with_a_retryable_error_and_done(server):
-    """Killed after its first content chunk, 16000 rounds from its end: the stream's last chunks are an
-    error (503, replica_unavailable, retry) and [DONE], after ordinary content chunks only (never a
-    finish_reason), within ENDS_WITHIN_S of the kill; Serve then replaces the replica."""
+def test_requests_whose_replica_dies_end_with_a_retryable_error(server):
+    """A stream and a plain request decoding together (16000 rounds from their ends) when their replica is
+    killed, after the stream's first content chunk. Within ENDS_WITHIN_S of the kill: the stream's last
+    chunks are an error (503, replica_unavailable, retry) and [DONE], after ordinary content chunks only
+    (never a finish_reason); the request, which Serve does not retry once its replica accepted it, gets
+    503 + Retry-After from the ingress. /health meanwhile answers (503 "unavailable" from the ingress
+    itself while no decoder is up) instead of hanging; Serve then replaces the replica."""
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(httpx.post(f"{server.url}{CHAT}", json=LONG, timeout=120)))
     with server.client.stream("POST", CHAT, json={**LONG, "stream": True}) as response:
         assert response.status_code == 200
         data = (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
         role, first = json.loads(next(data)), json.loads(next(data))  # decoding: a first content chunk is out
         assert role["choices"][0]["delta"]["role"] == "assistant" and first["choices"][0]["delta"]["content"]
-        dead = kill_the_decoder(server)
+        waiting.start()
+        dead = kill_the_decoder(server, running=2)
         killed = time.monotonic()
         rest = list(data)
-    assert time.monotonic() - killed < ENDS_WITHIN_S
+    waiting.join(ENDS_WITHIN_S)
+    assert answers and time.monotonic() - killed < ENDS_WITHIN_S
     assert rest[-1] == "[DONE]", rest[-3:]
     error = json.loads(rest[-2])["error"]
     assert error["status"] == 503 and error["type"] == "server_error" and error["code"] == "replica_unavailable"
     assert "retry" in error["message"]
     assert all("choices" in json.loads(chunk) for chunk in rest[:-2])  # before it: ordinary content chunks
     assert not any(json.loads(chunk)["choices"][0]["finish_reason"] for chunk in rest[:-2])  # never "finished"
-    serving_again(server, dead)
-
-
-def test_a_request_whose_replica_dies_gets_503_with_retry_after(server):
-    """Serve does not retry a request its replica had accepted (the replica reported it decoding, 16000
-    rounds from its end, when it was killed): the ingress answers 503 + Retry-After within ENDS_WITHIN_S.
-    /health meanwhile answers (503 "unavailable" from the ingress itself while no decoder is up) instead
-    of hanging."""
-    answers = []
-    waiting = threading.Thread(target=lambda: answers.append(httpx.post(f"{server.url}{CHAT}", json=LONG, timeout=120)))
-    waiting.start()
-    dead = kill_the_decoder(server)
-    killed = time.monotonic()
-    waiting.join(ENDS_WITHIN_S)
-    assert answers and time.monotonic() - killed < ENDS_WITHIN_S
     (response,) = answers
     assert response.status_code == 503 and response.headers["retry-after"] == "3", response.text
     error = response.json()["error"]
