@@ -90,7 +90,7 @@ def tiny_deployment(tmp: Path, *overrides: str):
 
 
 def joining_env() -> dict[str, str]:
-    """The environment for a `griffin` subprocess that joins the session's local Ray (``ray_local``) as a
+    """The environment for a `griffin` subprocess that joins the suite's local Ray (``ray_local``) as a
     cluster user's command joins theirs, instead of starting and stopping a Ray of its own: most of a
     small command's cost on 2 cores."""
     import ray

@@ -188,7 +188,7 @@ def test_a_store_outside_the_run_directory_has_its_own_lease(tmp_path):
 
 
 def featurize(out, *extra, **kwargs):
-    """A real `griffin featurize`, joined to the session's Ray (``ray_local``)."""
+    """A real `griffin featurize`, joined to the suite's Ray (``ray_local``)."""
     args = [*GRIFFIN, "featurize", "-c", "jobs/configs/tiny.yaml", f"output_dir={out}", "data.limit=4", *extra]
     return subprocess.Popen(args, cwd=REPO, env=joining_env(), text=True, stderr=subprocess.PIPE, **kwargs)
 
