@@ -298,12 +298,20 @@ class ServeSection(Section):
         description="`griffin serve` on SIGTERM or Ctrl-C: how long running requests may finish while new ones get "
         "503 + Retry-After, before Serve stops (Kubernetes gives a pod 30 s by default)",
     )
+
     stall_timeout_s: float = Field(
         default=600.0,
         gt=0,
         description="a decode with no round for this long marks the replica unhealthy "
         "(Serve's check_health), so Serve replaces it",
     )
+
+    def decoder_replicas(self) -> tuple[int, int]:
+        """The decoder deployment's replicas, fewest and most: ``num_replicas`` both, or ``autoscaling``'s
+        ``min_replicas`` (Serve's default, 1) and ``max_replicas`` (``num_replicas`` when unset)."""
+        if self.autoscaling:
+            return self.autoscaling.get("min_replicas", 1), self.autoscaling.get("max_replicas", self.num_replicas)
+        return self.num_replicas, self.num_replicas
 
 
 class DecodeSection(Section):

@@ -76,7 +76,7 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     scaling = (
         {"autoscaling_config": section.autoscaling} if section.autoscaling else {"num_replicas": section.num_replicas}
     )
-    most_replicas = (section.autoscaling or {}).get("max_replicas", section.num_replicas)
+    _, most_replicas = section.decoder_replicas()
     slots = section.max_ongoing_requests * most_replicas  # completions at the decoders at once
     decoder = SpeculativeDecoder.options(
         # the ingress admits completions and Serve routes them (no queue bound here: the ingress's is

@@ -43,7 +43,7 @@ def check_serve_fits(cfg: RunConfig) -> None:
     if cluster_address(cfg) is not None:
         return
     section = cfg.serve
-    decoders = (section.autoscaling or {}).get("min_replicas", 1) if section.autoscaling else section.num_replicas
+    decoders, _ = section.decoder_replicas()  # those Serve starts at once
     needs = {
         "CPU": decoders * section.num_cpus + section.ingress_replicas * section.ingress_num_cpus,
         "GPU": decoders * section.num_gpus,

@@ -337,8 +337,9 @@ def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[st
     are all complete reads nothing."""
     # never workers waiting on feature actors or read tasks that cannot start: online on any cluster (after
     # its autoscaler had time), offline where Ray Train cannot grow it either (a local Ray)
-    if cfg.train.features == "online" or cluster_address(cfg) is None:
-        check_stage_fits(cfg, ACTOR_START_S if cluster_address(cfg) else 0.0)
+    local = cluster_address(cfg) is None
+    if cfg.train.features == "online" or local:
+        check_stage_fits(cfg, 0.0 if local else ACTOR_START_S)
     parts, held_out = data["inputs"](eval_ids)
     hold = should_materialize(cfg.train.materialize, data["bytes"])
     if hold:
