@@ -251,7 +251,7 @@ def test_a_preemption_notice_saves_a_checkpoint_at_once(store, tmp_path):
 
 def test_a_stage_the_cluster_cannot_hold_is_refused_by_name(ray_local):
     """Online, the training workers and the feature actors run at once; offline, the workers and the
-    stream's read tasks. A cluster (here the session's 6 logical CPUs, no GPU) too small for them is
+    stream's read tasks. A cluster (here the suite's 6 logical CPUs, no GPU) too small for them is
     refused before anything waits, naming what is short and the settings."""
     from pipeline.train.inputs import check_stage_fits
 
