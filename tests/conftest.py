@@ -57,7 +57,7 @@ if getattr(_audit, "_hook", None) is None:  # another sitecustomize was imported
 
 @contextlib.contextmanager
 def tiny_deployment(tmp: Path, *overrides: str):
-    """Serve the tiny target with a random draft (lineage recorded) on the session's Ray; yields
+    """Serve the tiny target with a random draft (lineage recorded) on the suite's Ray; yields
     (url, httpx client, config, target, draft directory) and shuts the application down after."""
     import httpx
 
