@@ -37,7 +37,7 @@ from griffin.results import GenerationResult, Scores, append_tokens, check_reque
 from griffin.rows import RowCache, row_mask
 from griffin.static import MIN_BUCKET, decode_mode, length_bucket, mark_static
 from griffin.target import TargetAdapter, decode_attention
-from griffin.tree import DraftTree, TreeBatch, catch_up_rows, draft_rows, root_tree
+from griffin.tree import DraftRace, DraftTree, TreeBatch, catch_up_rows, draft_rows, root_tree
 from griffin.verify import RowSampling, Walked, choose, walk
 
 
@@ -299,9 +299,21 @@ class BatchEngine:
         with record_function("griffin.draft.catch_up"):
             P, R = catch_up_rows(self.draft, self.draft_cache, features, tokens, counts, self.compiled)  # (B, D)
         roots = torch.tensor([row.root for row in rows], device=device)
+        race = self._draft_race(tree.depth)
         with record_function("griffin.draft_tree"):
-            trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree, self.compiled)
+            trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree, self.compiled, race)
         return [t if row.request.speculative else root_tree(t.tokens[:1]) for row, t in zip(rows, trees)]
+
+    def _draft_race(self, depth: int) -> DraftRace | None:
+        """The T>0 rows' draws at the tree's ``depth`` next positions, the walk's (griffin.tree.DraftRace);
+        None when every row is greedy."""
+        device, draft = self.target.device, self.draft
+        assert draft is not None, "drafting rounds run only with a draft"
+        sampling = self._row_sampling(self.target.head_weight.shape[0], device)
+        if sampling.all_greedy:
+            return None
+        keys = torch.tensor([row.keys(depth) for row in self.rows], device=device)  # (B, L)
+        return DraftRace.of(draft, sampling, keys)
 
     def _verify_forward(self, batch: TreeBatch) -> tuple[Tensor, Tensor]:
         """One target pass over every row's tree, padded to the widest: a padding node sees only itself."""

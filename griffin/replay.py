@@ -26,7 +26,8 @@ from griffin.results import acceptance_length
 from griffin.model import GriffinDraft
 from griffin.rows import RowCache
 from griffin.target import TargetAdapter, decode_attention
-from griffin.tree import DraftTree, draft_tree
+from griffin.tree import DraftRace, DraftTree, draft_tree
+from griffin.verify import RowSampling, position_keys
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -40,6 +41,8 @@ class DecodeReference:
     length: int  # tokens vanilla decoding returns: up to the first stop token, at most max_new_tokens
     features: Tensor  # (1, T + L_ext - 1, D_f) the target's features at every position but the last
     vanilla_step_seconds: float  # mean single-token step of the decode that produced it
+    sampling: SamplingConfig = GREEDY  # the continuation's, and its seed: a T>0 replay's draft runs its race
+    seed: int = 0
 
 
 def decode_reference(
@@ -71,7 +74,7 @@ def decode_reference(
             sequence, target.new_cache(sequence.shape[1]), all_logits=False, feature_layers=feature_layers
         )  # (1, T + L_ext - 1, D_f)
     step = result.stats.verify_time / max(result.stats.rounds, 1)
-    return DecodeReference(input_ids, continuation, length, features, step)
+    return DecodeReference(input_ids, continuation, length, features, step, sampling, seed)
 
 
 @dataclass
@@ -110,7 +113,7 @@ def replay_decode(draft: GriffinDraft, reference: DecodeReference, tree: TreeCon
     with decode_attention(device):  # a new KV length every round, as in decoding
         while done < reference.length:
             start = time.perf_counter()
-            nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree)
+            nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree, _race(draft, reference, done, tree))
             replay.draft_seconds.append(time.perf_counter() - start)
             accepted = accepted_along(nodes, continuation[done : done + tree.depth])
             replay.accepted_per_round.append(accepted)
@@ -119,3 +122,14 @@ def replay_decode(draft: GriffinDraft, reference: DecodeReference, tree: TreeCon
             new_tokens = torch.tensor(continuation[done : done + accepted + 1], device=device)  # (A+1,)
             done += accepted + 1
     return replay
+
+
+def _race(draft: GriffinDraft, reference: DecodeReference, done: int, tree: TreeConfig) -> DraftRace | None:
+    """The draws of the round after ``done`` committed tokens, as the engine's draft runs them
+    (griffin.tree.DraftRace); None at T=0."""
+    if reference.sampling.greedy:
+        return None
+    device = reference.features.device
+    rows = RowSampling.of([reference.sampling], draft.cfg.vocab_size, device)
+    keys = torch.tensor([position_keys(reference.seed, done, tree.depth)], device=device)  # (1, L)
+    return DraftRace.of(draft, rows, keys)

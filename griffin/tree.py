@@ -4,7 +4,8 @@ Per round: a catch-up pass feeds each row's newly committed (target feature, nex
 the draft's persistent KV cache (a griffin.rows.RowCache, a length per row); then ``depth`` levels
 expand each row's ``top_k`` best nodes by cumulative log-probability, all rows in one draft step per
 level; finally each row's ``total_tokens - 1`` best candidates form its tree. Tree KV entries are
-written after the committed cache and dropped (zeroed) at the end of the round.
+written after the committed cache and dropped (zeroed) at the end of the round. A T>0 row ranks
+its nodes by the draft's run of the target's race (``DraftRace``).
 
 Shape legend: D hidden, V draft vocab, K top-k, N tree nodes (root included), M candidate pool.
 """
@@ -22,6 +23,7 @@ from typing import Any
 from griffin.config import TreeConfig
 from griffin.model import GriffinDraft
 from griffin.rows import row_mask
+from griffin.verify import RowSampling, exponentials_at, warp_rows
 
 
 @dataclass
@@ -41,10 +43,53 @@ class DraftTree:
         return self.tokens.numel()
 
 
-def _top_k_log_probs(draft: GriffinDraft, prediction: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """prediction: (..., D) -> log-probs and target ids of the k best tokens: (..., K) each."""
+@dataclass
+class DraftRace:
+    """The T>0 rows' draws, run by the draft too, so that its tree holds the token the target will draw.
+
+    A T>0 row's token at a position is the winner of an exponential race on the target's law p with
+    that position's draws E (griffin.verify: argmax p(x) / E(x)). The draft runs the same race on its
+    own law q with the same draws: where q is close to p the two winners agree (Gumbel-max coupling:
+    they agree with probability at least (1 - TV) / (1 + TV)), so the draft's winner is the child most
+    likely to be accepted however flat p is, where a top-k tree covers only p's mass on q's k best
+    tokens. A T>0 row's children are ranked by log softmax(log q - log E): the winner first, then the
+    race's runners-up. Only the tree changes: the walk, and so every committed token, is the same
+    function of the draws with any tree (lossless, and a seeded request's text unchanged)."""
+
+    rows: RowSampling  # the B rows' settings: a greedy row ranks by the draft's log-probs
+    log_draws: Tensor  # (B, L, V) float32: log E of each draft-vocabulary token at the position of level l + 1
+
+    @classmethod
+    def of(cls, draft: GriffinDraft, rows: RowSampling, keys: Tensor) -> "DraftRace | None":
+        """Rows' settings and their keys (B, L) for the next L output positions (griffin.verify.position_keys,
+        the walk's keys); None when every row is greedy."""
+        if rows.all_greedy:
+            return None
+        B, L = keys.shape
+        ids = draft.to_target_ids(torch.arange(draft.head_weight.shape[0], device=keys.device))  # (V,)
+        log_draws = exponentials_at(keys.flatten(), ids).log().float().view(B, L, -1)  # (B, L, V)
+        return cls(rows, log_draws)
+
+    def scores(self, logits: Tensor, level: int) -> Tensor:
+        """The draft's logits (B, V) or (B, K, V) at ``level``'s nodes -> log-scores of the same shape:
+        a T>0 row's log softmax(log q - log E), q the draft's law warped as the row warps the
+        target's (griffin.verify.warp_rows); a greedy row's log q."""
+        B, V = logits.shape[0], logits.shape[-1]
+        per_row = logits.numel() // (B * V)  # nodes a row has at this level: 1 or K
+        lead = (1,) * (logits.dim() - 2)  # () or (1,): the K nodes of a level share the position's draws
+        warped = warp_rows(logits.reshape(-1, V), self.rows.repeat(per_row)).view(logits.shape)  # (..., V)
+        raced = torch.log_softmax(warped.log() - self.log_draws[:, level - 1].view(B, *lead, V), dim=-1)
+        return torch.where(self.rows.greedy.view(B, *lead, 1), torch.log_softmax(logits, dim=-1), raced)
+
+
+def _top_k_log_probs(
+    draft: GriffinDraft, prediction: Tensor, k: int, race: DraftRace | None = None, level: int = 1
+) -> tuple[Tensor, Tensor]:
+    """prediction: (B, D) or (B, K, D) at ``level`` -> log-scores and target ids of the k best
+    tokens: (..., K) each; the draft's log-probs, or ``race``'s scores for its T>0 rows."""
     with record_function("griffin.draft.head_topk"):
-        log_probs = torch.log_softmax(draft.logits(prediction).float(), dim=-1)  # (..., V)
+        logits = draft.logits(prediction).float()  # (..., V)
+        log_probs = torch.log_softmax(logits, dim=-1) if race is None else race.scores(logits, level)
         top = log_probs.topk(k, dim=-1)
         return top.values, draft.to_target_ids(top.indices)
 
@@ -56,11 +101,12 @@ def draft_tree(
     features: Tensor,  # (1, T, D_f) target features of the newly committed positions
     tokens: Tensor,  # (1, T) the tokens that follow them; tokens[0, -1] is the root
     cfg: TreeConfig,
+    race: DraftRace | None = None,
 ) -> DraftTree:
     """One request's tree: ``draft_rows`` over a batch of one."""
     with record_function("griffin.draft.catch_up"):
         P, R = catch_up_rows(draft, cache, features, tokens, [tokens.shape[1]])  # (1, D) each
-    return draft_rows(draft, cache, P, R, tokens[:, -1], cfg)[0]
+    return draft_rows(draft, cache, P, R, tokens[:, -1], cfg, race=race)[0]
 
 
 def root_tree(root: Tensor) -> DraftTree:
@@ -136,18 +182,26 @@ def catch_up_rows(
 
 
 def draft_rows(
-    draft: GriffinDraft, cache, P: Tensor, R: Tensor, roots: Tensor, cfg: TreeConfig, compiled: bool = False
+    draft: GriffinDraft,
+    cache,
+    P: Tensor,
+    R: Tensor,
+    roots: Tensor,
+    cfg: TreeConfig,
+    compiled: bool = False,
+    race: DraftRace | None = None,
 ) -> list[DraftTree]:
     """``draft_tree``'s levels for rows [0, B) at once, from each row's last caught-up P, R (B, D)
     and its root token roots (B,); one tree per row. The tree's entries are dropped from the cache
     at the end (zeroed: griffin.rows' invariant). Runs in the caller's autograd mode (the engine's:
-    griffin.static.decode_mode); ``compiled``: the draft's compiled step."""
+    griffin.static.decode_mode); ``compiled``: the draft's compiled step; ``race``: the T>0 rows'
+    draws (at least ``cfg.depth`` positions), None when every row is greedy."""
     B, K, device = roots.shape[0], cfg.top_k, roots.device
     if cfg.total_tokens == 1:
         return [root_tree(roots[b : b + 1]) for b in range(B)]
     stable = cache.slots.lengths[:B]  # committed lengths (a copy)
     stable_t = torch.tensor(stable, device=device)  # (B,)
-    scores, node_tokens = _top_k_log_probs(draft, P, K)  # (B, K)
+    scores, node_tokens = _top_k_log_probs(draft, P, K, race)  # (B, K)
     pool_scores, pool_tokens = [scores], [node_tokens]
     pool_parents = [torch.full((B, K), -1, dtype=torch.long, device=device)]
     pool_depths = [torch.ones(B, K, dtype=torch.long, device=device)]
@@ -164,7 +218,7 @@ def draft_rows(
         with record_function("griffin.draft.level_step"):
             P_l, R_l = step(node_features, node_tokens, positions, cache, mask)  # (B, K, D)
         cache.advance(0, [K] * B, K)
-        child_lp, child_tokens = _top_k_log_probs(draft, P_l, K)  # (B, K, K)
+        child_lp, child_tokens = _top_k_log_probs(draft, P_l, K, race, level)  # (B, K, K)
         cand_scores = (scores[:, :, None] + child_lp).flatten(1)  # (B, K*K); candidate c's parent is c // K
         parent_local = torch.arange(K, device=device).repeat_interleave(K)  # (K*K,)
         pool_scores.append(cand_scores)

@@ -3,12 +3,13 @@
 Sampling is keyed by position. A request's token at output index i is drawn from the target's
 warped law p at that position by an exponential race: the token x with the largest p(x) / E(x),
 where the E(x) are independent Exp(1) draws keyed by (seed, i, x) (``position_keys``,
-``exponentials``); that x has law p exactly. At T=0 it is the argmax. The draft's trees are
-deterministic (top-k), so EAGLE-2's recursive rejection ("accept child c with probability p(c), else remove it and renormalise", children in
-rank order) has the law of "draw x from p; follow the child whose token is x, else emit x". The
-walk does the latter. So a seeded request's tokens are a fixed function of its seed and the
-target's distributions: the same alone or batched, speculative or plain, with any tree, with the
-acceptance rate of recursive rejection. Logits equal only up to float rounding (a batched pass vs a
+``exponentials``); that x has law p exactly. At T=0 it is the argmax. The walk draws x from p at
+each depth and follows the child whose token is x, else emits x, so every committed token is the
+race's winner at its position given the tokens before it: a seeded request's tokens are a fixed
+function of its seed and the target's distributions, the same alone or batched, speculative or
+plain, with any tree (for a top-k tree, EAGLE-2's recursive rejection has this law and acceptance
+rate). A T>0 row's draft runs the same race on its own law (griffin.tree.DraftRace), so its tree
+holds the target's draw wherever the two laws are close. Logits equal only up to float rounding (a batched pass vs a
 single step) change the token only when the race's two leaders are that close (an inverse CDF would
 change it whenever the draw sat that close to any of V cumulative boundaries: measured on SmolLM2 at
 T=1, once in 256 tokens).
@@ -22,7 +23,7 @@ Shape legend: B rows, N tree nodes, V vocab, D the deepest tree's depth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -77,7 +78,13 @@ def position_keys(seed: int, start: int, count: int) -> list[int]:
 def exponentials(keys: Tensor, vocab: int) -> Tensor:
     """keys (B,) long -> Exp(1) draws (B, V) float64, one per (key, token): -log u, u from 52 bits of
     the key's SplitMix64 stream read at the token."""
-    z = _splitmix(keys[:, None] + torch.arange(vocab, device=keys.device) * _signed(GOLDEN64))  # (B, V)
+    return exponentials_at(keys, torch.arange(vocab, device=keys.device))
+
+
+def exponentials_at(keys: Tensor, token_ids: Tensor) -> Tensor:
+    """``exponentials`` at the tokens ``token_ids`` (V',) only: keys (B,) -> (B, V') float64, each
+    draw bit-identical to ``exponentials``' for that (key, token)."""
+    z = _splitmix(keys[:, None] + token_ids.to(keys.device) * _signed(GOLDEN64))  # (B, V')
     # 52 bits + 0.5, exact in float64: u in (0, 1), never 1 (E = -0.0 would make 0 / E a NaN that wins)
     return -torch.log((_shift_right(z, 12).double() + 0.5) * 2.0**-52)  # E in (0, 36.7)
 
@@ -110,14 +117,23 @@ class RowSampling:
             any_top_p=any(p < 1.0 for p in top_ps),
         )
 
+    def repeat(self, n: int) -> "RowSampling":
+        """The settings of B * n rows: each row's n times in a row (a draft level's nodes, n per row)."""
+        if n == 1:
+            return self
+        each = lambda values: values.repeat_interleave(n, dim=0)  # noqa: E731
+        return replace(self, greedy=each(self.greedy), temperature=each(self.temperature), top_k=each(self.top_k),
+                       top_p=each(self.top_p))  # fmt: skip
+
 
 def warp_rows(logits: Tensor, rows: RowSampling) -> Tensor:
     """logits (B, V) -> probabilities (B, V): each row's temperature, then top-k, then top-p
     (transformers' order), with that row's settings."""
     logits = logits.float() / rows.temperature
     if rows.max_top_k:
-        top = logits.topk(rows.max_top_k, dim=-1).values  # (B, K) (a Python int: no device sync)
-        kth = top.gather(-1, (rows.top_k - 1).clamp(min=0))  # (B, 1)
+        # (B, K) (a Python int: no device sync); a top_k past V (a draft's smaller vocabulary) keeps all
+        top = logits.topk(min(rows.max_top_k, logits.shape[-1]), dim=-1).values
+        kth = top.gather(-1, (rows.top_k - 1).clamp(min=0, max=top.shape[-1] - 1))  # (B, 1)
         kth = torch.where(rows.top_k > 0, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if rows.any_top_p:

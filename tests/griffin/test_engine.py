@@ -11,7 +11,7 @@ from griffin.request import DecodeRequest
 from griffin.offline import generate_batch
 from griffin.model import GriffinDraft
 from griffin.rows import row_mask
-from tests.conftest import make_target, tree_forward
+from tests.conftest import OracleDraft, make_target, tree_forward
 from tests.griffin.law import peaked_pair
 
 GREEDY = SamplingConfig()
@@ -111,6 +111,31 @@ def test_a_seeded_request_decodes_the_same_text_however_it_is_decoded(sampling):
         assert batched[i] == alone[0].tokens == alone[1].tokens == plain and len(plain) == budget
         accepted += sum(alone[1].stats.accepted_per_round)
     assert accepted >= len(prompts) * budget / 4
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)]
+)
+def test_a_draft_whose_law_is_the_targets_drafts_every_token_a_seeded_request_draws(sampling, monkeypatch):
+    """At T>0 the draft runs the walk's race with the walk's draws (griffin.tree.DraftRace): a draft
+    whose law is the target's (OracleDraft) holds the token the target draws at every level, so
+    every round of a seeded decode accepts its whole chain, and the text is the plain seeded
+    decode's. Ranked by its own law instead (a top-k tree), the same draft's chain stops early."""
+    import griffin.engine
+
+    target = make_target("llama")
+    prompt = torch.tensor([_prompts(1, seed=4)[0]])
+    chain = TreeConfig(total_tokens=5, depth=4, top_k=1)
+    plain = vanilla_generate(target, prompt, sampling, 21, 9, []).tokens
+
+    def decode():
+        return speculative_generate(target, OracleDraft(target, int(prompt[0, 0])), prompt, chain, sampling, 21, 9, [])
+
+    raced = decode()
+    assert raced.tokens == plain and raced.stats.accepted_per_round == [4] * 4  # 1 + 4 rounds x 5 tokens
+    monkeypatch.setattr(griffin.engine.DraftRace, "of", lambda *args: None)
+    ranked = decode()
+    assert ranked.tokens == plain and sum(ranked.stats.accepted_per_round) < 2 * ranked.stats.rounds, ranked.stats
 
 
 def test_rows_of_different_samplings_keep_their_own_laws_as_the_batch_changes(monkeypatch):

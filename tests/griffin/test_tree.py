@@ -1,9 +1,11 @@
 """EAGLE-2 tree construction: budget, ordering, masks, retrieve indices, cache hygiene."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from griffin.config import TreeConfig
+from griffin.config import SamplingConfig, TreeConfig
 from griffin.model import GriffinDraft
 from griffin.rows import RowCache
 from griffin.tree import draft_tree
@@ -89,3 +91,37 @@ def test_catch_up_accumulates_across_rounds(setup):
     draft_tree(draft, cache, torch.randn(1, 5, 64), torch.randint(3, 128, (1, 5)), cfg)
     draft_tree(draft, cache, torch.randn(1, 2, 64), torch.randint(3, 128, (1, 2)), cfg)
     assert cache.slots.lengths == [7]
+
+
+def test_a_sampling_rows_draft_ranks_first_the_winner_of_the_targets_race_on_its_own_law():
+    """A T>0 row's draft runs the race the walk runs (griffin.verify.choose), with the walk's draws for
+    each level's position, on its own law warped as the row warps the target's: its best-ranked
+    token at every level, and at every node of a level, is ``choose``'s pick on the draft's logits
+    spread over the target vocabulary (a reduced draft vocabulary, temperature, top-k and top-p). A
+    greedy row ranks by the draft's log-probs."""
+    from griffin.tree import DraftRace
+    from griffin.verify import RowSampling, choose, position_keys
+
+    gen = torch.Generator().manual_seed(3)
+    V_target, V, K, L = 50, 20, 3, 2
+    d2t = torch.randperm(V_target, generator=gen)[:V]
+    draft = SimpleNamespace(head_weight=torch.zeros(V, 4), to_target_ids=lambda ids: d2t[ids])
+    samplings = [
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.7, top_p=0.8),
+        SamplingConfig(temperature=1.3, top_k=4),
+        SamplingConfig(temperature=0.0),
+    ]
+    rows = RowSampling.of(samplings, V_target, "cpu")
+    keys = torch.tensor([position_keys(seed, 5, L) for seed in range(4)])  # (B, L)
+    race = DraftRace.of(draft, rows, keys)
+    for level in range(1, L + 1):
+        for trial in range(20):
+            logits = torch.randn(4, V, generator=gen) * 3  # (B, V) the draft's
+            spread = torch.full((4, V_target), float("-inf")).index_copy(1, d2t, logits)  # (B, V_target)
+            expected = choose(spread, rows, keys[:, level - 1])  # (B,)
+            assert torch.equal(d2t[race.scores(logits, level).argmax(-1)], expected), (level, trial)
+            nodes = race.scores(logits[:, None].expand(4, K, V), level)  # (B, K, V): one position's draws
+            assert torch.equal(d2t[nodes.argmax(-1)], expected[:, None].expand(4, K))
+            assert torch.equal(race.scores(logits, level)[3], torch.log_softmax(logits[3], -1))
+    assert DraftRace.of(draft, RowSampling.of([samplings[3]], V_target, "cpu"), keys[:1]) is None
