@@ -57,7 +57,8 @@ class DraftRace:
     function of the draws with any tree (lossless, and a seeded request's text unchanged)."""
 
     rows: RowSampling  # the B rows' settings: a greedy row ranks by the draft's log-probs
-    log_draws: Tensor  # (B, L, V) float32: log E of each draft-vocabulary token at the position of level l + 1
+    keys: Tensor  # (B, L) long: each row's key for the position of level l + 1 (the walk's)
+    token_ids: Tensor  # (V,) the target ids of the draft's vocabulary
 
     @classmethod
     def of(cls, draft: GriffinDraft, rows: RowSampling, keys: Tensor) -> "DraftRace | None":
@@ -65,10 +66,8 @@ class DraftRace:
         the walk's keys); None when every row is greedy."""
         if rows.all_greedy:
             return None
-        B, L = keys.shape
         ids = draft.to_target_ids(torch.arange(draft.head_weight.shape[0], device=keys.device))  # (V,)
-        log_draws = exponentials_at(keys.flatten(), ids).log().float().view(B, L, -1)  # (B, L, V)
-        return cls(rows, log_draws)
+        return cls(rows, keys, ids)
 
     def scores(self, logits: Tensor, level: int) -> Tensor:
         """The draft's logits (B, V) or (B, K, V) at ``level``'s nodes -> log-scores of the same shape:
@@ -78,7 +77,9 @@ class DraftRace:
         per_row = logits.numel() // (B * V)  # nodes a row has at this level: 1 or K
         lead = (1,) * (logits.dim() - 2)  # () or (1,): the K nodes of a level share the position's draws
         warped = warp_rows(logits.reshape(-1, V), self.rows.repeat(per_row)).view(logits.shape)  # (..., V)
-        raced = torch.log_softmax(warped.log() - self.log_draws[:, level - 1].view(B, *lead, V), dim=-1)
+        # (B, V): one level's draws at a time, so a 128k vocabulary never holds L of them at once
+        log_draws = exponentials_at(self.keys[:, level - 1], self.token_ids).log().float()
+        raced = torch.log_softmax(warped.log() - log_draws.view(B, *lead, V), dim=-1)
         return torch.where(self.rows.greedy.view(B, *lead, 1), torch.log_softmax(logits, dim=-1), raced)
 
 
