@@ -9,10 +9,10 @@ race's winner at its position given the tokens before it: a seeded request's tok
 function of its seed and the target's distributions, the same alone or batched, speculative or
 plain, with any tree (for a top-k tree, EAGLE-2's recursive rejection has this law and acceptance
 rate). A T>0 row's draft runs the same race on its own law (griffin.tree.DraftRace), so its tree
-holds the target's draw wherever the two laws are close. Logits equal only up to float rounding (a batched pass vs a
-single step) change the token only when the race's two leaders are that close (an inverse CDF would
-change it whenever the draw sat that close to any of V cumulative boundaries: measured on SmolLM2 at
-T=1, once in 256 tokens).
+holds the target's draw wherever the two laws are close. Logits equal only up to float rounding (a
+batched pass vs a single step) change the token only when the race's two leaders are that close (an
+inverse CDF would change it whenever the draw sat that close to any of V cumulative boundaries:
+measured on SmolLM2 at T=1, once in 256 tokens).
 
 Terms (as in vLLM's rejection sampler): the accepted tokens are the draft tokens on the walked
 path; the round's extra target token (``next``) is the recovered token when no child of the last

@@ -110,18 +110,20 @@ def test_a_sampling_rows_draft_ranks_first_the_winner_of_the_targets_race_on_its
         SamplingConfig(temperature=1.0),
         SamplingConfig(temperature=0.7, top_p=0.8),
         SamplingConfig(temperature=1.3, top_k=4),
+        SamplingConfig(temperature=0.9, top_k=30),  # more than the draft's vocabulary: keeps all of it
         SamplingConfig(temperature=0.0),
     ]
     rows = RowSampling.of(samplings, V_target, "cpu")
-    keys = torch.tensor([position_keys(seed, 5, L) for seed in range(4)])  # (B, L)
+    B = len(samplings)
+    keys = torch.tensor([position_keys(seed, 5, L) for seed in range(B)])  # (B, L)
     race = DraftRace.of(draft, rows, keys)
     for level in range(1, L + 1):
         for trial in range(20):
-            logits = torch.randn(4, V, generator=gen) * 3  # (B, V) the draft's
-            spread = torch.full((4, V_target), float("-inf")).index_copy(1, d2t, logits)  # (B, V_target)
+            logits = torch.randn(B, V, generator=gen) * 3  # (B, V) the draft's
+            spread = torch.full((B, V_target), float("-inf")).index_copy(1, d2t, logits)  # (B, V_target)
             expected = choose(spread, rows, keys[:, level - 1])  # (B,)
             assert torch.equal(d2t[race.scores(logits, level).argmax(-1)], expected), (level, trial)
-            nodes = race.scores(logits[:, None].expand(4, K, V), level)  # (B, K, V): one position's draws
-            assert torch.equal(d2t[nodes.argmax(-1)], expected[:, None].expand(4, K))
-            assert torch.equal(race.scores(logits, level)[3], torch.log_softmax(logits[3], -1))
-    assert DraftRace.of(draft, RowSampling.of([samplings[3]], V_target, "cpu"), keys[:1]) is None
+            nodes = race.scores(logits[:, None].expand(B, K, V), level)  # (B, K, V): one position's draws
+            assert torch.equal(d2t[nodes.argmax(-1)], expected[:, None].expand(B, K))
+            assert torch.equal(race.scores(logits, level)[-1], torch.log_softmax(logits[-1], -1))
+    assert DraftRace.of(draft, RowSampling.of([samplings[-1]], V_target, "cpu"), keys[:1]) is None
