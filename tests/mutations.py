@@ -1,6 +1,6 @@
 """Planted bugs the suite must catch: a mutation check to rerun whenever the sampling code changes.
 
-Each mutation below rewrites one line of griffin/verify.py or griffin/engine.py in a scratch copy of
+Each mutation below rewrites one line of the sampling code (griffin/verify.py, tree.py, engine.py, request.py) in a scratch copy of
 the checkout, then runs the method tests there (the law tests first, stopping at the first failure).
 A mutation the tests do not catch is reported as SURVIVED and the script exits 1. Not part of
 `make test`: each mutation costs a pytest start-up, and a surviving one the whole method suite.
@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VERIFY, ENGINE = "griffin/verify.py", "griffin/engine.py"
+VERIFY, TREE, ENGINE, REQUEST = "griffin/verify.py", "griffin/tree.py", "griffin/engine.py", "griffin/request.py"
 # (name, file, the line's text as it is, what it becomes)
 MUTATIONS = [
     ("warper: temperature squared", VERIFY, "logits.float() / rows.temperature", "logits.float() / rows.temperature**2"),
-    ("warper: top-k keeps one more", VERIFY, "kth = top.gather(-1, (rows.top_k - 1).clamp(min=0))",
+    ("warper: top-k keeps one more", VERIFY, "kth = top.gather(-1, (rows.top_k - 1).clamp(min=0, max=top.shape[-1] - 1))",
      "top = logits.topk(rows.max_top_k + 1, dim=-1).values; kth = top.gather(-1, rows.top_k)"),
     ("warper: top-p keeps less", VERIFY, ">= rows.top_p", ">= 0.9 * rows.top_p"),
     ("the race runs on the raw softmax", VERIFY, "race = warp_rows(logits, rows).double()",
@@ -38,12 +38,17 @@ MUTATIONS = [
     ("every depth shares one draw", VERIFY, "rows, keys[:, d])", "rows, keys[:, 0])"),
     ("a leaf's bonus is its parent's draw", VERIFY, "chosen.append(torch.where(alive, choice, -1))",
      "chosen.append(torch.where(alive, choice, -1) if d == 0 or d < depth else chosen[-1])"),
-    ("keys from position i - 1", ENGINE, "position_keys(self.seed, len(self.out), count)",
+    ("keys from position i - 1", REQUEST, "position_keys(self.seed, len(self.out), count)",
      "position_keys(self.seed, max(len(self.out) - 1, 0), count)"),
     ("engine: a round reuses its first key", ENGINE, "[row.keys(depth + 1) for row in self.rows]",
      "[row.keys(1) * (depth + 1) for row in self.rows]"),
     ("engine: a row walked with its neighbour's logits", ENGINE, "walk(batch.tokens, batch.parents, logits,",
      "walk(batch.tokens, batch.parents, logits.roll(1, 0),"),
+    ("the draft's race reads the next level's draws", TREE, "self.keys[:, level - 1]",
+     "self.keys[:, level % self.keys.shape[1]]"),
+    ("the draft's race on its unwarped law", TREE, "warp_rows(logits.reshape(-1, V), self.rows.repeat(per_row))",
+     "logits.reshape(-1, V).softmax(-1)"),
+    ("engine: the draft ranks by its own law at T>0", ENGINE, "return DraftRace.of(draft, sampling, keys)", "return None"),
     ("engine: the prefill token taken greedily", ENGINE,
      "token = int(choose(logits[0, -1:], rows,", "token = int(logits[0, -1].argmax()) or int(choose(logits[0, -1:], rows,"),
 ]  # fmt: skip
