@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -195,9 +196,12 @@ def _report_rank0(
     stage = job.stage
     score = f" {SCORE} {report[SCORE]:.3f}" if SCORE in report else ""
     loss = report["train/loss"]
+    # to the process's own stdout: Ray Train's print patch both logs a print to stdout and, when
+    # anything has wrapped sys.stdout, echoes it, so a plain print reached the console twice
     print(
         f"[train stage {stage.stage}] step {step}/{stage.steps} loss {loss:.4f} tok/s {rate:.0f} eta {eta:.0f}s"
         + score,
+        file=sys.__stdout__,
         flush=True,
     )
     job.channel.update.remote(step, loss, report.get(SCORE))
