@@ -248,8 +248,10 @@ class BatchEngine:
         drafting_rows = [row for row in rows if row.request.speculative] if self.draft is not None else []
         sampling = all(not row.request.sampling.greedy for row in drafting_rows)
         tree = self.policy.tree_for(self._policy_load(), sampling) if drafting_rows else None
+        depth = tree.depth if tree is not None else 0
+        keys = self._keys(depth + 1)  # (B, D + 1): the draft's race and the walk read the same draws
         start = device_time(device)
-        trees = self._draft(tree) if tree is not None else None
+        trees = self._draft(tree, keys[:, :depth]) if tree is not None else None
         mid = device_time(device)
         if trees is None:
             roots = torch.tensor([row.root for row in rows], device=device)
@@ -257,7 +259,7 @@ class BatchEngine:
         batch = TreeBatch.of(trees, device)
         with record_function("griffin.verify_forward"):
             features, logits = self._verify_forward(batch)  # (B, N, D_f), (B, N, V)
-        walks = self._accept_and_commit(batch, logits, tree.depth if tree is not None else 0)
+        walks = self._accept_and_commit(batch, logits, keys)
         end = device_time(device)
         self.rounds, self.last_batch = self.rounds + 1, len(rows)
         for b, (row, tree_b, walked) in enumerate(zip(rows, trees, walks)):
@@ -280,11 +282,13 @@ class BatchEngine:
         with decode_mode(self.compiled), decode_attention(self.target.device):
             batch = TreeBatch.of(trees, self.target.device)
             _, logits = self._verify_forward(batch)
-            return self._accept_and_commit(batch, logits, max(int(t.depths.max()) for t in trees))
+            keys = self._keys(max(int(t.depths.max()) for t in trees) + 1)  # (B, D + 1)
+            return self._accept_and_commit(batch, logits, keys)
 
-    def _draft(self, tree: TreeConfig) -> list[DraftTree]:
+    def _draft(self, tree: TreeConfig, keys: Tensor) -> list[DraftTree]:
         """Every row's tree: catch the draft up on each row's pending pairs (padded to the longest),
-        then the levels, all rows at once. A request that asked for no draft keeps only its root."""
+        then the levels, all rows at once, T>0 rows racing with ``keys`` (B, L), the draws of the
+        level positions. A request that asked for no draft keeps only its root."""
         assert self.draft is not None, "drafting rounds run only with a draft"
         rows, device = self.rows, self.target.device
         counts = [sum(run.numel() for run in row.pending_tokens) for row in rows]
@@ -299,21 +303,17 @@ class BatchEngine:
         with record_function("griffin.draft.catch_up"):
             P, R = catch_up_rows(self.draft, self.draft_cache, features, tokens, counts, self.compiled)  # (B, D)
         roots = torch.tensor([row.root for row in rows], device=device)
-        race = self._draft_race(tree.depth)
+        race = self._draft_race(keys)
         with record_function("griffin.draft_tree"):
             trees = draft_rows(self.draft, self.draft_cache, P, R, roots, tree, self.compiled, race)
         return [t if row.request.speculative else root_tree(t.tokens[:1]) for row, t in zip(rows, trees)]
 
-    def _draft_race(self, depth: int) -> DraftRace | None:
-        """The T>0 rows' draws at the tree's ``depth`` next positions, the walk's (griffin.tree.DraftRace);
-        None when every row is greedy."""
-        device, draft = self.target.device, self.draft
-        assert draft is not None, "drafting rounds run only with a draft"
-        sampling = self._row_sampling(self.target.head_weight.shape[0], device)
-        if sampling.all_greedy:
-            return None
-        keys = torch.tensor([row.keys(depth) for row in self.rows], device=device)  # (B, L)
-        return DraftRace.of(draft, sampling, keys)
+    def _draft_race(self, keys: Tensor) -> DraftRace | None:
+        """The T>0 rows' race with the walk's draws ``keys`` (B, L) (griffin.tree.DraftRace); None when
+        every row is greedy."""
+        assert self.draft is not None, "drafting rounds run only with a draft"
+        sampling = self._row_sampling(self.target.head_weight.shape[0], self.target.device)
+        return DraftRace.of(self.draft, sampling, keys)
 
     def _verify_forward(self, batch: TreeBatch) -> tuple[Tensor, Tensor]:
         """One target pass over every row's tree, padded to the widest: a padding node sees only itself."""
@@ -327,17 +327,20 @@ class BatchEngine:
             compiled=self.compiled,
         )  # fmt: skip
 
-    def _accept_and_commit(self, batch: TreeBatch, logits: Tensor, depth: int) -> list[Walked]:
+    def _accept_and_commit(self, batch: TreeBatch, logits: Tensor, keys: Tensor) -> list[Walked]:
         """Every row's walk (griffin.verify.walk), all rows at once with their own sampling and draws
-        (trees at most ``depth`` deep); the target KV keeps each row's accepted path."""
-        device = logits.device
+        ``keys`` (B, D + 1), D the trees' depth; the target KV keeps each row's accepted path."""
         with record_function("griffin.accept"):
-            rows = self._row_sampling(logits.shape[-1], device)
-            keys = torch.tensor([row.keys(depth + 1) for row in self.rows])  # (B, D + 1)
-            walks = walk(batch.tokens, batch.parents, logits, rows, keys.to(device))
+            rows = self._row_sampling(logits.shape[-1], logits.device)
+            walks = walk(batch.tokens, batch.parents, logits, rows, keys)
         with record_function("griffin.commit"):
             self.cache.keep_paths(0, [w.nodes for w in walks], batch.tokens.shape[1])
         return walks
+
+    def _keys(self, count: int) -> Tensor:
+        """(B, count) long on the device: each row's keys for its next ``count`` output positions
+        (griffin.verify.position_keys; a greedy row's are unused)."""
+        return torch.tensor([row.keys(count) for row in self.rows]).to(self.target.device)
 
     def _row_sampling(self, vocab: int, device) -> RowSampling:
         """The active rows' sampling settings on the device, built again only after the rows change

@@ -110,10 +110,13 @@ def replay_decode(draft: GriffinDraft, reference: DecodeReference, tree: TreeCon
     new_features = features[:, :T]  # (1, T, D_f)
     new_tokens = torch.cat([prompt[0, 1:].to(device), torch.tensor(continuation[:1], device=device)])  # (T,)
     done = 1  # continuation tokens committed; continuation[done - 1] is the root
+    rows = RowSampling.of([reference.sampling], draft.cfg.vocab_size, device)  # the target's vocabulary
     with decode_attention(device):  # a new KV length every round, as in decoding
         while done < reference.length:
             start = time.perf_counter()
-            nodes = draft_tree(draft, cache, new_features, new_tokens[None], tree, _race(draft, reference, done, tree))
+            nodes = draft_tree(
+                draft, cache, new_features, new_tokens[None], tree, _race(draft, reference, rows, done, tree)
+            )
             replay.draft_seconds.append(time.perf_counter() - start)
             accepted = accepted_along(nodes, continuation[done : done + tree.depth])
             replay.accepted_per_round.append(accepted)
@@ -124,12 +127,12 @@ def replay_decode(draft: GriffinDraft, reference: DecodeReference, tree: TreeCon
     return replay
 
 
-def _race(draft: GriffinDraft, reference: DecodeReference, done: int, tree: TreeConfig) -> DraftRace | None:
+def _race(
+    draft: GriffinDraft, reference: DecodeReference, rows: RowSampling, done: int, tree: TreeConfig
+) -> DraftRace | None:
     """The draws of the round after ``done`` committed tokens, as the engine's draft runs them
-    (griffin.tree.DraftRace); None at T=0."""
+    (griffin.tree.DraftRace) with ``reference``'s sampling ``rows``; None at T=0."""
     if reference.sampling.greedy:
         return None
-    device = reference.features.device
-    rows = RowSampling.of([reference.sampling], draft.cfg.vocab_size, device)
-    keys = torch.tensor([position_keys(reference.seed, done, tree.depth)], device=device)  # (1, L)
+    keys = torch.tensor([position_keys(reference.seed, done, tree.depth)], device=reference.features.device)  # (1, L)
     return DraftRace.of(draft, rows, keys)

@@ -298,7 +298,6 @@ class ServeSection(Section):
         description="`griffin serve` on SIGTERM or Ctrl-C: how long running requests may finish while new ones get "
         "503 + Retry-After, before Serve stops (Kubernetes gives a pod 30 s by default)",
     )
-
     stall_timeout_s: float = Field(
         default=600.0,
         gt=0,
