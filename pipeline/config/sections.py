@@ -239,8 +239,8 @@ class ServeSection(Section):
         default=2,
         ge=1,
         description="replicas of the HTTP edge (no model): one can die or restart while the other answers. "
-        "Each admits its share of the completions and of the queue (shares differ by at most one); with 1, "
-        "admission is counted in one place, exact to the request",
+        "Each admits its share of the completions and of the queue (shares differ by at most one) and sends "
+        "up to every decoder slot; with 1, admission is counted in one place, exact to the request",
     )
     ingress_num_cpus: float = Field(
         default=0.5,

@@ -80,9 +80,10 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     slots = section.max_ongoing_requests * most_replicas  # completions at the decoders at once
     decoder = SpeculativeDecoder.options(
         # the ingress admits completions and Serve routes them (no queue bound here: the ingress's is
-        # exact); room for all of them on one replica plus the control slots, so /health & co. never
-        # wait behind completions however Serve spreads them
-        max_ongoing_requests=slots + section.control_slots,
+        # exact); room for every admitted one on one replica (each ingress replica may send all the
+        # slots: more than the slots when the queue is in use) plus the control slots, so /health & co.
+        # never wait behind completions however Serve spreads them
+        max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s,  # a going replica finishes its decodes
         ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus},

@@ -90,9 +90,10 @@ class SpeculativeDecoder:
     ``serve.max_batch`` requests together in one engine (``ReplicaEngine``), with the tree the
     speculation policy gives for the batch size (``decode.policy``).
 
-    The ingress sends it ``serve.max_ongoing_requests`` completions at once (up to max_batch decoding,
-    the rest waiting for a slot, first come first served). Serve gives the replica ``control_slots``
-    more slots, so ``health``, ``models`` and ``stats`` never queue behind completions."""
+    The ingress sends it about ``serve.max_ongoing_requests`` completions at once (up to max_batch
+    decoding, the rest waiting for a slot, first come first served; more while a burst fills the
+    queue, pipeline.serve.relay.Admission). Serve gives the replica ``control_slots`` more slots than
+    the application admits, so ``health``, ``models`` and ``stats`` never queue behind completions."""
 
     def __init__(self, run_config: dict[str, Any]):
         from pipeline.resources.drafts import load_draft_uri

@@ -33,12 +33,15 @@ REPLICA_LOST = (
 class Admission:
     """An ingress replica's share of the application's completions, counted in its event loop (exact
     there, unlike Serve's ``max_queued_requests``, which may refuse a burst while a replica has room).
-    ``slots`` completions are at the decoders at once (``serve.max_ongoing_requests`` for each decoder
-    replica alive, ``resize``d as replicas come and go); up to ``queue`` more wait here, first come
-    first served, for one of those slots to free; the next is refused (``full``)."""
+    It admits ``slots`` + ``queue`` completions (its shares of the decoders' slots,
+    ``serve.max_ongoing_requests`` for each decoder replica alive, and of the queue; ``resize``d as
+    replicas come and go) and refuses the next (``full``). Up to ``send`` of them are at the decoders
+    at once (default ``slots``; the ingress passes every slot of the application: Serve's proxy may
+    route a burst unevenly between ingress replicas, and a request must not wait here while the
+    decoders have room); the rest wait here, first come first served, for one of those to end."""
 
-    def __init__(self, slots: int, queue: int):
-        self.slots, self.queue = slots, queue
+    def __init__(self, slots: int, queue: int, send: int | None = None):
+        self.slots, self.queue, self.send = slots, queue, slots if send is None else send
         self.admitted, self.sent, self.shed = 0, 0, 0
         self._waiters: deque[asyncio.Future] = deque()  # tickets waiting for a slot, oldest first
 
@@ -53,15 +56,15 @@ class Admission:
         self.admitted += 1
         return Ticket(self)
 
-    def resize(self, slots: int, queue: int) -> None:
+    def resize(self, slots: int, queue: int, send: int | None = None) -> None:
         """New limits (decoder replicas came or went): more slots go to waiting tickets at once; fewer
         take nothing back from completions already at the decoders."""
-        self.slots, self.queue = slots, queue
+        self.slots, self.queue, self.send = slots, queue, slots if send is None else send
         self._grant()
 
     async def acquire(self) -> None:
         """A slot at the decoders, after every ticket that waited before this one."""
-        if self.sent < self.slots and not self._waiters:
+        if self.sent < self.send and not self._waiters:
             self.sent += 1
             return
         granted = asyncio.get_running_loop().create_future()
@@ -78,14 +81,20 @@ class Admission:
         self._grant()
 
     def _grant(self) -> None:
-        while self._waiters and self.sent < self.slots:
+        while self._waiters and self.sent < self.send:
             granted = self._waiters.popleft()
             if not granted.done():  # a cancelled waiter leaves its future cancelled
                 self.sent += 1
                 granted.set_result(None)
 
     def counters(self) -> dict[str, int]:
-        return {"admitted": self.admitted, "waiting": self.waiting, "slots": self.slots, "queue": self.queue}
+        return {
+            "admitted": self.admitted,
+            "waiting": self.waiting,
+            "slots": self.slots,
+            "queue": self.queue,
+            "sends_at_most": self.send,
+        }
 
 
 class Ticket:

@@ -80,7 +80,7 @@ def test_the_app_admits_in_the_ingress_and_gives_replicas_a_grace_period(monkeyp
     assert edge.key_digest == key_digest(KEY) and KEY not in repr(ingress.init_args)
     assert (ingress.num_replicas, ingress.max_ongoing_requests, ingress.max_queued_requests) == (2, 6 + 5 + 16, -1)
     assert ingress.ray_actor_options["num_cpus"] == 0.5  # serve.ingress_num_cpus: CPU of its own
-    assert (decoder.max_ongoing_requests, decoder.max_queued_requests) == (6 + 16, -1)
+    assert (decoder.max_ongoing_requests, decoder.max_queued_requests) == (6 + 5 + 16, -1)
     assert decoder._deployment_config.graceful_shutdown_timeout_s == 42
     assert ingress._deployment_config.graceful_shutdown_timeout_s > 42  # outlives a force-killed decoder
 
@@ -150,6 +150,36 @@ def test_admission_counts_exactly_and_a_refused_call_ends_cleanly():
         for ticket in tickets[1:]:
             ticket.release()
         assert admission.admitted == admission.sent == 0
+
+    asyncio.run(scenario())
+
+
+def test_an_ingress_sent_more_than_its_share_of_a_burst_sends_it_all_while_the_decoders_have_room():
+    """Two ingress replicas over 8 slots and a queue of 16 (4 + 8 each): Serve's proxy may route 5 of a
+    burst of 8 to one. That one admits them all and sends all 5 (it may have every slot at the
+    decoders), so none waits while a decoder slot is free; its shed limit stays its share, 4 + 8, so the
+    application's (24) is exact. A ninth request at the same ingress waits for one of the 8 to end."""
+
+    async def scenario():
+        limits = dict(zip(("slots", "queue", "send"), (share(8, 0, 2), share(16, 0, 2), 8)))
+        admission = Admission(**limits)
+        tickets = [admission.enter() for _ in range(5)]
+        await asyncio.wait_for(asyncio.gather(*(ticket.wait() for ticket in tickets)), 1)  # none waits
+        assert admission.sent == 5 and not admission.full()
+        tickets += [admission.enter() for _ in range(7)]
+        assert admission.full()  # its share of the slots and of the queue: 12 admitted
+        waiting = [asyncio.ensure_future(ticket.wait()) for ticket in tickets[5:]]
+        await asyncio.sleep(0.01)
+        assert admission.sent == 8 and sum(w.done() for w in waiting) == 3 and admission.waiting == 4
+        tickets[0].release()
+        await asyncio.sleep(0.01)
+        assert admission.sent == 8 and sum(w.done() for w in waiting) == 4  # the oldest waiting one went
+        for pending in waiting:  # the clients of the 3 still waiting leave
+            pending.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for ticket in tickets:
+            ticket.release()
+        assert admission.admitted == admission.sent == 0 and admission.counters()["sends_at_most"] == 8
 
     asyncio.run(scenario())
 
