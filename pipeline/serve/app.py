@@ -78,12 +78,14 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
     )
     _, most_replicas = section.decoder_replicas()
     slots = section.max_ongoing_requests * most_replicas  # completions at the decoders at once
+    # Serve slots on either deployment: every completion the application admits (each ingress replica
+    # may send all the slots, more than the slots when the queue is in use) plus the control slots
+    room = slots + section.max_queued_requests + section.control_slots
     decoder = SpeculativeDecoder.options(
         # the ingress admits completions and Serve routes them (no queue bound here: the ingress's is
-        # exact); room for every admitted one on one replica (each ingress replica may send all the
-        # slots: more than the slots when the queue is in use) plus the control slots, so /health & co.
-        # never wait behind completions however Serve spreads them
-        max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
+        # exact); room for all of them on one replica, so /health & co. never wait behind completions
+        # however Serve spreads them
+        max_ongoing_requests=room,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s,  # a going replica finishes its decodes
         ray_actor_options={"num_cpus": section.num_cpus, "num_gpus": section.num_gpus},
@@ -105,7 +107,7 @@ def app_builder(args: dict[str, Any] | ServeArgs) -> Application:
         # slots (/health & co. and refusals, which answer at once): nothing waits in Serve's queue at
         # the proxy, so nothing is refused there (its bound misjudges bursts)
         num_replicas=section.ingress_replicas,
-        max_ongoing_requests=slots + section.max_queued_requests + section.control_slots,
+        max_ongoing_requests=room,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=section.graceful_shutdown_timeout_s + RELAY_MARGIN_S,  # ... and relays them
         ray_actor_options={"num_cpus": section.ingress_num_cpus},

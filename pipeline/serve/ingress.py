@@ -7,8 +7,9 @@ Admission is here (``relay.Admission``): the application takes ``serve.max_ongoi
 completions per decoder replica running, and up to ``serve.max_queued_requests`` more wait here for one
 of them; the next is refused at once, before its body is read, with 503 (or ``serve.shed_status``), an
 OpenAI error body and ``Retry-After``. Each of the ``serve.ingress_replicas`` counts its share of both
-(exact to the request with one) and sends up to every slot (``Ingress._limits`` says why). Serve routes each admitted completion to a decoder replica with
-room, so no request is refused while a replica has some. The ingress reads the body (413 beyond
+(exact to the request with one) and sends up to every slot (``Ingress._limits`` says why). Serve
+routes each admitted completion to a decoder replica with room, so no request is refused while a
+replica has some. The ingress reads the body (413 beyond
 ``serve.max_body_bytes``, before buffering it) and hands it to a decoder replica through a streaming
 ``DeploymentHandle``; the decoder validates it (the one place that does) and answers with a ``Reply``: a
 whole JSON answer (errors included), or a stream whose events the ingress relays as they come.

@@ -41,9 +41,9 @@ class Admission:
     decoders have room); the rest wait here, first come first served, for one of those to end."""
 
     def __init__(self, slots: int, queue: int, send: int | None = None):
-        self.slots, self.queue, self.send = slots, queue, slots if send is None else send
         self.admitted, self.sent, self.shed = 0, 0, 0
         self._waiters: deque[asyncio.Future] = deque()  # tickets waiting for a slot, oldest first
+        self.resize(slots, queue, send)
 
     def full(self) -> bool:
         return self.admitted >= self.slots + self.queue

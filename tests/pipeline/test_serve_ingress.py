@@ -161,8 +161,7 @@ def test_an_ingress_sent_more_than_its_share_of_a_burst_sends_it_all_while_the_d
     application's (24) is exact. A ninth request at the same ingress waits for one of the 8 to end."""
 
     async def scenario():
-        limits = dict(zip(("slots", "queue", "send"), (share(8, 0, 2), share(16, 0, 2), 8)))
-        admission = Admission(**limits)
+        admission = Admission(slots=share(8, 0, 2), queue=share(16, 0, 2), send=8)
         tickets = [admission.enter() for _ in range(5)]
         await asyncio.wait_for(asyncio.gather(*(ticket.wait() for ticket in tickets)), 1)  # none waits
         assert admission.sent == 5 and not admission.full()
