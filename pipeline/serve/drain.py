@@ -25,18 +25,19 @@ class DrainBoard:
 
     def __init__(self):
         self.draining = False
-        self.running: dict[int, int] = {}  # ingress rank -> its last report after the drain began
+        self.running: dict[str, int] = {}  # ingress replica id -> its last report after the drain began
 
     def start(self) -> None:
         self.draining = True
 
-    def report(self, rank: int, running: int) -> bool:
-        """An ingress replica's count; returns whether it drains."""
+    def report(self, replica: str, running: int) -> bool:
+        """An ingress replica's count; returns whether it drains. Keyed by replica id, not by rank: Serve
+        renumbers ranks when replicas come and go."""
         if self.draining:
-            self.running[rank] = running
+            self.running[replica] = running
         return self.draining
 
-    def reports(self) -> dict[int, int]:
+    def reports(self) -> dict[str, int]:
         return dict(self.running)
 
 

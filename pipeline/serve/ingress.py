@@ -111,14 +111,21 @@ class Ingress:
 
     def __init__(self, decoder: DeploymentHandle, edge: EdgeConfig):
         self.decoder, self.streaming, self.edge = decoder, decoder.options(stream=True), edge
-        context = serve.get_replica_context()
-        self.rank, self.ingresses = context.rank.rank, max(context.world_size, 1)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id  # the drain board's key
         self.admission = Admission(*self._limits(1))  # until the first count of the decoders running
         self.draining = False  # griffin serve's drain: new completions get 503 while the running ones finish
         # the constructor runs on the replica's event loop: the count and the drain follow from there
         self.follower = asyncio.get_running_loop().create_task(self._follow())
         self.keys = KeyCheck(edge.key_digest)
         self.counters = _counters(edge.model_id)
+
+    @staticmethod
+    def _place() -> tuple[int, int]:
+        """(this replica's rank, ingress replicas): read each time, not kept, because Serve renumbers
+        the replicas alive to 0..N-1 after a redeploy or a replacement (a reconfigure that updates the
+        replica context); a rank kept from the constructor was seen at 1 and 2 of 2."""
+        context = serve.get_replica_context()
+        return context.rank.rank, max(context.world_size, 1)
 
     def _limits(self, alive: int) -> tuple[int, int, int]:
         """This ingress replica's limits with ``alive`` decoder replicas: its shares of the slots and of
@@ -128,8 +135,8 @@ class Ingress:
         an ingress that sent only its share of the slots left a request waiting here while the decoders
         had room (8 requests at once on 8 slots: ~1.7x slower in two of three repetitions)."""
         slots = self.edge.per_replica * min(max(alive, 1), self.edge.most_replicas)
-        mine = max(share(slots, self.rank, self.ingresses), 1)
-        return mine, share(self.edge.queue, self.rank, self.ingresses), slots
+        rank, ingresses = self._place()
+        return max(share(slots, rank, ingresses), 1), share(self.edge.queue, rank, ingresses), slots
 
     async def _follow(self) -> None:
         """Every ``FOLLOW_S``, the decoder replicas running (serve.status) set the limits: a replica
@@ -146,7 +153,7 @@ class Ingress:
                     alive, board = await asyncio.to_thread(self._look_around, board)
                     self.admission.resize(*self._limits(alive))
                 if board is not None:
-                    report = board.report.remote(self.rank, self.admission.admitted)
+                    report = board.report.remote(self.replica_id, self.admission.admitted)
                     self.draining = await asyncio.wait_for(report, CONTROL_TIMEOUT_S) or self.draining
             except Exception:  # the controller or the board restarting: keep the last limits, look again
                 logger.warning("could not count the decoder replicas or read the drain board", exc_info=True)
@@ -175,7 +182,8 @@ class Ingress:
             decoder = await self._ask(self.decoder.stats)
         except ApiError as error:
             return error.response()
-        ingress = {**self.admission.counters(), "replica": self.rank, "replicas": self.ingresses}
+        rank, ingresses = self._place()
+        ingress = {**self.admission.counters(), "replica": rank, "replicas": ingresses}
         return {**decoder, "shed": self.admission.shed, "ingress": ingress}
 
     @api.get("/v1/models")
