@@ -27,12 +27,14 @@ $(VENV)/speculators/.installed: requirements-speculators.txt $(VENV)/.installed
 # Two pytest-xdist workers, a module at a time: a module's fixtures (a feature store, a deployment, a
 # two-node cluster) are built once, and tests/conftest.py hands the longest modules out first. Each worker
 # starts its own local Ray. The suite is CPU-bound, mostly on process start-up: two workers keep both
-# cores busy.
+# cores busy. mypy (~40 s of one core on a fresh clone) runs beside the suite, not before it, where the
+# other core would idle; its report follows the suite's, and either failing fails the target.
 test: setup $(VENV)/speculators/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder tests
+	$(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	  $(PY) -m pytest -q --durations=15 --timeout=300 -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder tests; \
+	  suite=$$?; wait $$mypy; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; test $$suite -eq 0 -a $$typed -eq 0
 
 # the method tests (griffin/, tiny random models, no Ray) and the import rules: about two minutes on 2 cores
 test-fast: setup $(VENV)/speculators/.installed
