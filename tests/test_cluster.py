@@ -28,14 +28,16 @@ ENV = {
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def start_node(*args) -> subprocess.Popen:
-    return subprocess.Popen(
-        [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def start_node(log: Path, *args) -> subprocess.Popen:
+    """`ray start --block` (it exits when one of the node's processes dies), its output in ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
+            env=ENV,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -49,7 +51,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster():
+def two_node_cluster(tmp_path_factory):
     # `ray start --head` records its address in Ray's address file (/tmp/ray/ray_current_cluster), and
     # killed nodes leave it behind. Whatever auto-detects a cluster afterwards (Ray Train's placement
     # group cleaner, in every later test's Ray Train run) then waits on the dead GCS: ~12 s a run.
@@ -66,8 +68,10 @@ def two_node_cluster():
         f"--runtime-env-agent-port={free_port()}",
         f"--metrics-export-port={free_port()}",
     ]
+    logs = tmp_path_factory.mktemp("nodes")
     nodes = [
         start_node(
+            logs / "head.log",
             "--head",
             f"--port={gcs}",
             "--dashboard-host=127.0.0.1",
@@ -80,12 +84,7 @@ def two_node_cluster():
     ]
     try:  # the nodes are stopped even when setting up fails
         wait_for_dashboard(f"http://127.0.0.1:{dashboard}")
-        nodes.append(
-            start_node(
-                f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}', *agents()
-            )
-        )
-        wait_for_nodes(gcs, 2)
+        join_second_node(nodes, gcs, logs, agents)
         yield f"http://127.0.0.1:{dashboard}"
     finally:
         for node in reversed(nodes):
@@ -109,9 +108,25 @@ def wait_for_dashboard(address: str) -> None:
     pytest.fail("the head node's dashboard never came up")
 
 
-def wait_for_nodes(gcs: int, count: int) -> None:
+def join_second_node(nodes: list[subprocess.Popen], gcs: int, logs: Path, agents) -> None:
+    """Starts the second node, and once more on other ports if it has not joined in 2 minutes or its
+    `ray start` ended (a port taken between ``free_port`` and the bind, by one of the many processes
+    the suite starts meanwhile); fails with the nodes' output otherwise."""
+    for attempt in range(2):
+        log = logs / f"node_b{attempt}.log"
+        args = [f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}', *agents()]
+        nodes.append(start_node(log, *args))
+        if wait_for_nodes(gcs, 2, nodes[-1]):
+            return
+        stop(nodes[-1])
+    tails = "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(logs.glob("*.log")))
+    pytest.fail(f"the second node never joined\n{tails}")
+
+
+def wait_for_nodes(gcs: int, count: int, node: subprocess.Popen) -> bool:
+    """True once ``count`` nodes are alive; False after 2 minutes, or when ``node``'s `ray start` ended."""
     deadline = time.time() + 120
-    while time.time() < deadline:
+    while time.time() < deadline and node.poll() is None:
         listing = subprocess.run(
             [RAY, "list", "nodes", "--format=json", f"--address=127.0.0.1:{gcs}"],
             env=ENV,
@@ -123,9 +138,9 @@ def wait_for_nodes(gcs: int, count: int) -> None:
         except json.JSONDecodeError:  # the state API is still starting
             alive = []
         if sum(n.get("state") == "ALIVE" for n in alive) == count:
-            return
+            return True
         time.sleep(1)
-    pytest.fail("the second node never joined")
+    return False
 
 
 def submit(stage, address, tmp_path, *overrides):
