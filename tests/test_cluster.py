@@ -110,8 +110,8 @@ def wait_for_dashboard(address: str) -> None:
 
 def join_second_node(nodes: list[subprocess.Popen], gcs: int, logs: Path, agents) -> None:
     """Starts the second node and waits for it to join; fails with every node's output (``logs``) when it
-    has not joined in 2 minutes or its `ray start` ended. (Seen: a disk over Ray's 95% mark, which the
-    head's raylet logs, timed the head's own start out while its dashboard answered.)"""
+    has not joined in 2 minutes or its `ray start` ended. (Seen under load: the head's `ray start` gave up
+    on its raylet's registration after Ray's fixed 30 s while its dashboard answered.)"""
     log = logs / "node_b.log"
     args = [f"--address=127.0.0.1:{gcs}", "--num-cpus=3", '--resources={"node_b": 1, "griffin_slot": 1}', *agents()]
     nodes.append(start_node(log, *args))
