@@ -1,15 +1,20 @@
 """`griffin serve` as a process manager stops it: SIGTERM drains the running streams, then the process
 exits 0. A module of its own: the command joins the suite's Ray (as on a cluster), where no other
-deployment may run meanwhile (another module's stop when the module ends)."""
+deployment may run meanwhile (the other modules' deployments are stopped when their modules end)."""
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import first_content, joining_env, wait_for
+from tests.conftest import first_content, free_port, joining_env, wait_for
 
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
 CHAT = "/v1/chat/completions"
@@ -20,16 +25,8 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tempe
 def test_sigterm_drains_running_streams_then_exits_zero(tmp_path, ray_local):
     """`griffin serve` (joining the suite's Ray) gets SIGTERM while a stream runs: new requests get 503
     + Retry-After (``shutting_down``) from every ingress replica from then on, the running stream
-    finishes with its last chunk and [DONE], and the process exits 0. The stream is 2,000 tokens (seconds of decoding on a fast machine),
-    far longer than the signal takes to reach the ingress (~0.1 s measured)."""
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    from tests.conftest import free_port
-
+    finishes with its last chunk and [DONE], and the process exits 0. The stream is 2,000 tokens (seconds
+    of decoding on a fast machine), far longer than the signal takes to reach the ingress (~0.1 s measured)."""
     port = free_port()
     command = [sys.executable, "-m", "pipeline.cli", "serve", "-c", str(TINY), f"output_dir={tmp_path}"]
     command += [f"serve.port={port}", "serve.drain_s=120", "target.tiny.max_position_embeddings=4096"]
