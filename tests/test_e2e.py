@@ -1,9 +1,7 @@
 """End to end on the tiny target: `griffin run` through real Ray Data, Ray Train, MLflow and Ray Serve, killed
 during training, rerun to the end (and to the weights of an uninterrupted training), and rerun again as a
 no-op. One run that a user would make, instead of a whole run and a separate interrupted one: each
-`griffin run` starts every stage's processes, most of what the test costs. The runs join the suite's
-Ray (``ray_local``) as a cluster user's runs join theirs: a killed driver's job ends, and Ray ends its
-actors and workers with it."""
+`griffin run` starts its own Ray and every stage's processes, most of what the test costs."""
 
 import json
 import os
@@ -18,10 +16,11 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.train.driver import run_train
-from tests.conftest import assert_same_train_state, free_port, joining_env, last_checkpoint
+from tests.conftest import assert_same_train_state, free_port, last_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 GRIFFIN = [sys.executable, "-m", "pipeline.cli"]
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 # Every optional step too: the target's own answers as training data, the tree tuned here. The EAGLE-3
 # variant, so that its target layers go through every stage (featurize's layers column, training, the
@@ -42,9 +41,9 @@ STEPS = [
 ]
 
 
-def griffin(*args, timeout=600):
+def griffin(*args, timeout=600, **kwargs):
     return subprocess.run(
-        [*GRIFFIN, *args], cwd=REPO, env=joining_env(), capture_output=True, text=True, timeout=timeout
+        [*GRIFFIN, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout, **kwargs
     )
 
 
@@ -62,15 +61,14 @@ def kill_once_checkpointed(args: list[str], run_dir: Path) -> list[int]:
     """Starts `griffin run`, SIGKILLs it (its whole process group) once Ray Train has recorded a
     checkpoint of the stage (its manager snapshot lists one: a checkpoint folder alone is not yet one
     that a rerun restores), and returns the steps rank 0 had trained."""
-    # the killed run's Ray Train polls at its default 2 s (conftest sets 0.25 s), set for its job's
-    # processes by its runtime env: a report waits for the previous one to be polled, which paces its tiny
-    # steps so that the kill lands mid-stage (a report every 2 steps: the step after the next report is
-    # ~2 s after the first checkpoint is recorded)
-    paced = "cluster.runtime_env={env_vars: {RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: '2'}}"
+    # the killed run's Ray Train polls at its default 2 s (conftest sets 0.25 s): a report waits for the
+    # previous one to be polled, which paces its tiny steps so that the kill lands mid-stage (a report
+    # every 2 steps: the step after the next report is ~2 s after the first checkpoint is recorded)
+    env = {**ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
     proc = subprocess.Popen(
-        [*GRIFFIN, *args, paced],
+        [*GRIFFIN, *args],
         cwd=REPO,
-        env=joining_env(),
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
