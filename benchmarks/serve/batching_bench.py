@@ -5,6 +5,7 @@ on this 2-core machine), T=0 (or ``--temperature``, each question with its own s
 MT-Bench first turns, non-streaming with ``return_token_ids``. Interleaved over repetitions (medians):
 - 4 requests one after another vs the same 4 at once (the acceptance: >= 2x tokens/s, outputs equal);
 - 4 one after another drafting vs with ``"speculative": false`` (a lone request's speedup);
+- 4 at once drafting (the replica's ``decode.policy``) vs 4 at once with ``"speculative": false``;
 - 8 one after another vs 8 at once (the goal: >= 4x);
 - 8 at once drafting (the replica's ``decode.policy``) vs 8 at once with ``"speculative": false``,
   every row plain: the same engine with speculation off (the goal: >= 1.0x).
@@ -12,7 +13,7 @@ Every output must equal its one-at-a-time output token for token, drafting or no
 a seeded request's tokens do not depend on its neighbours or on drafting (docs/method.md §5).
 
     python benchmarks/serve/batching_bench.py [--dtype float32] [--temperature 1] [--sampling-tree 4/1/3]
-        [--policy TUNE_TREE_JSON] [--reps 2]
+        [--policy TUNE_TREE_JSON] [--reps 2] [--name batching-....json]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--sampling-tree", help="decode.sampling_tree as total_tokens/depth/top_k (default: none)")
+    parser.add_argument("--name", help="the result's file name here (default: from the dtype, T and sampling tree)")
     args = parser.parse_args()
     global TEMPERATURE
     TEMPERATURE = args.temperature
@@ -104,6 +106,7 @@ def main() -> None:
             "4_one_by_one": lambda: one_by_one(url, questions[:4], args.new),
             "4_one_by_one_plain": lambda: one_by_one(url, questions[:4], args.new, speculative=False),
             "4_at_once": lambda: at_once(url, questions[:4], args.new),
+            "4_at_once_plain": lambda: at_once(url, questions[:4], args.new, speculative=False),
             "8_one_by_one": lambda: one_by_one(url, questions, args.new),
             "8_at_once": lambda: at_once(url, questions, args.new),
             "8_at_once_plain": lambda: at_once(url, questions, args.new, speculative=False),
@@ -117,7 +120,11 @@ def main() -> None:
     finally:
         stop_serve()
     assert (
-        outputs["4_at_once"] == outputs["4_one_by_one"] == outputs["8_one_by_one"][:4] == outputs["4_one_by_one_plain"]
+        outputs["4_at_once"]
+        == outputs["4_at_once_plain"]
+        == outputs["4_one_by_one"]
+        == outputs["8_one_by_one"][:4]
+        == outputs["4_one_by_one_plain"]
     )
     assert outputs["8_at_once"] == outputs["8_one_by_one"] == outputs["8_at_once_plain"]
     tokens = {name: sum(len(ids) for ids in outputs[name]) for name in cases}
@@ -135,6 +142,7 @@ def main() -> None:
         "seconds": seconds,
         "lone_speculative_vs_plain": rate["4_one_by_one"] / rate["4_one_by_one_plain"],
         "four_at_once_vs_one_by_one": rate["4_at_once"] / rate["4_one_by_one"],
+        "four_policy_vs_plain": rate["4_at_once"] / rate["4_at_once_plain"],
         "eight_at_once_vs_one_by_one": rate["8_at_once"] / rate["8_one_by_one"],
         "eight_policy_vs_plain": rate["8_at_once"] / rate["8_at_once_plain"],
         "outputs_equal": True,
@@ -142,7 +150,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     suffix = ("" if args.dtype == "bfloat16" else "-fp32") + (f"-t{args.temperature:g}" if args.temperature else "")
     suffix += f"-sampling-{args.sampling_tree.replace('/', '-')}" if args.sampling_tree else ""
-    (OUT / f"batching{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (OUT / (args.name or f"batching{suffix}.json")).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
