@@ -126,12 +126,12 @@ class BatchEngine:
         """Compile and capture the decode steps before anything is timed or served (a no-op unless
         decoding is compiled; call it from the thread that will decode: CUDA graphs are per thread).
         Each batch size decodes through two width buckets (griffin.static), in drafting rounds (with
-        the sampling tree too, when the policy has one) and in plain ones. Synthetic prompts; the
+        the sampling rounds' trees too, when the policy has its own for them) and in plain ones. Synthetic prompts; the
         outputs are dropped."""
         if not self.compiled:
             return
         modes = [(SamplingConfig(), True), (SamplingConfig(), False)]
-        modes += [(SamplingConfig(temperature=1.0), True)] if self.policy.sampling_tree is not None else []
+        modes += [(SamplingConfig(temperature=1.0), True)] if self.policy.samples_otherwise else []
         chunk, self.prefill_chunk = self.prefill_chunk, None  # each batch's rows join in one step, together
         try:
             for batch in batches:

@@ -64,20 +64,20 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
         f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
         f"(τ {best['tau']:.2f} on the calibration prompts); at T > 0: {sampling_tree.label}"
     )
+    sampling_policy = tuning["sampling"].get("policy")  # a tuning written before it was measured has none
     say(
-        "serving policy (tree per batch size): "
-        + ", ".join(
-            f"{b}: {t and '/'.join(str(v) for v in t.values()) or 'plain'}" for b, t in tuning["policy"].items()
-        )
+        f"serving policy (tree per batch size): {_policy_line(tuning['policy'])}"
+        + (f"; at T > 0: {_policy_line(sampling_policy)}" if sampling_policy else "")
     )
+    decode = {"tree": tree, "sampling_tree": sampling_tree, "policy": _policy(tuning["policy"])}
+    decode["sampling_policy"] = _policy(sampling_policy) if sampling_policy else None
     return cfg.model_copy(
-        update={
-            "decode": cfg.decode.model_copy(
-                update={"tree": tree, "sampling_tree": sampling_tree, "policy": _policy(tuning["policy"])}
-            ),
-            "eval": cfg.eval.model_copy(update={"tree": None}),
-        }
+        update={"decode": cfg.decode.model_copy(update=decode), "eval": cfg.eval.model_copy(update={"tree": None})}
     )
+
+
+def _policy_line(policy: dict[str, Any]) -> str:
+    return ", ".join(f"{b}: {t and '/'.join(str(v) for v in t.values()) or 'plain'}" for b, t in policy.items())
 
 
 def _policy(policy: dict[str, Any]) -> dict[int, Any]:

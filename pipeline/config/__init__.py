@@ -117,11 +117,15 @@ class RunConfig(Section):
     @property
     def speculation_policy(self) -> Any:
         """The serving engine's tree per batch size (griffin.policy.SpeculationPolicy): ``decode.policy``,
-        with ``decode.tree`` below its smallest batch size (at every size without a policy), and
-        ``decode.sampling_tree`` for rounds whose drafting rows all sample."""
+        with ``decode.tree`` below its smallest batch size (at every size without a policy), and for
+        rounds whose drafting rows all sample ``decode.sampling_policy``, with ``decode.sampling_tree``
+        (else ``decode.tree``) below its smallest size, or without one ``decode.sampling_tree``."""
         from griffin.policy import SpeculationPolicy
 
-        return SpeculationPolicy({1: self.decode.tree, **(self.decode.policy or {})}, self.decode.sampling_tree)
+        decode = self.decode
+        sampling = decode.sampling_policy
+        sampling_trees = {1: decode.sampling_tree or decode.tree, **sampling} if sampling is not None else None
+        return SpeculationPolicy({1: decode.tree, **(decode.policy or {})}, decode.sampling_tree, sampling_trees)
 
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)

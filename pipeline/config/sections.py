@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from griffin.config import TrainConfig, TreeConfig, Variant
 
@@ -366,16 +366,25 @@ class DecodeSection(Section):
         "decoding}; the largest key <= the batch applies, and batch sizes below every key draft "
         "decode.tree (so null: decode.tree at every batch size); griffin tune-tree measures it on this machine",
     )
+    sampling_policy: dict[int, TreeConfig | None] | None = Field(
+        default=None,
+        description="the policy of rounds whose drafting rows all sample (T > 0), in decode.policy's form: "
+        "{rows: tree, or null = plain decoding}; batch sizes below every key draft decode.sampling_tree "
+        "(else decode.tree); null: decode.sampling_tree wherever decode.policy drafts. At T > 0 drafting "
+        "stops paying at a smaller batch than at T = 0; griffin tune-tree measures it at T = 1",
+    )
     tune_batches: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8],
         description="the batch sizes tune-tree measures the policy at (decoding that many calibration prompts at once)",
     )
 
-    @field_validator("policy")
+    @field_validator("policy", "sampling_policy")
     @classmethod
-    def _policy_batch_sizes(cls, policy: dict[int, TreeConfig | None] | None) -> dict[int, TreeConfig | None] | None:
+    def _policy_batch_sizes(
+        cls, policy: dict[int, TreeConfig | None] | None, info: ValidationInfo
+    ) -> dict[int, TreeConfig | None] | None:
         if policy and min(policy) < 1:
-            raise ValueError(f"decode.policy's keys are batch sizes (>= 1), got {sorted(policy)}")
+            raise ValueError(f"decode.{info.field_name}'s keys are batch sizes (>= 1), got {sorted(policy)}")
         return policy
 
 

@@ -40,12 +40,18 @@ def candidate_trees(ranked: list[dict[str, Any]]) -> list[TreeConfig]:
 
 
 def decode_tokens_per_s(
-    target: Any, draft: Any, prompts: list[list[int]], tree: TreeConfig | None, max_new: int
+    target: Any,
+    draft: Any,
+    prompts: list[list[int]],
+    tree: TreeConfig | None,
+    max_new: int,
+    sampling: SamplingConfig = GREEDY,
 ) -> float:
-    """Decode tokens/s of ``prompts`` decoded together with ``tree`` (None: plain), prefills left out."""
-    requests = [DecodeRequest(p, GREEDY, max_new, stop_token_ids=[]) for p in prompts]
+    """Decode tokens/s of ``prompts`` decoded together with ``tree`` (None: plain) at ``sampling`` (row i
+    seeded i), prefills left out."""
+    requests = [DecodeRequest(p, sampling, max_new, i, stop_token_ids=[]) for i, p in enumerate(prompts)]
     start = device_time(target.device)
-    results = generate_batch(target, draft, requests, SpeculationPolicy({1: tree}))
+    results = generate_batch(target, draft, requests, SpeculationPolicy({1: tree}, sampling_trees={1: tree}))
     elapsed = device_time(target.device) - start - sum(r.stats.prefill_time for r in results)
     return sum(len(r.tokens) - 1 for r in results) / elapsed  # the first token of each is the prefill's
 
@@ -58,9 +64,11 @@ def measure_policy(
     batches: list[int],
     max_new: int,
     reps: int = 2,
+    sampling: SamplingConfig = GREEDY,
 ) -> tuple[dict[int, TreeConfig | None], list[dict[str, Any]]]:
-    """The best option per batch size, and every measurement: rows of {batch, tree, tokens_per_s}. The
-    engine picks its own autograd mode: compiled steps cannot run under ``inference_mode``."""
+    """The best option per batch size at ``sampling``, and every measurement: rows of {batch, tree,
+    tokens_per_s}. The engine picks its own autograd mode: compiled steps cannot run under
+    ``inference_mode``."""
     options: list[TreeConfig | None] = [None, *trees]
     policy: dict[int, TreeConfig | None] = {}
     curve: list[dict[str, Any]] = []
@@ -69,7 +77,7 @@ def measure_policy(
         samples: list[list[float]] = [[] for _ in options]
         for rep in range(reps + 1):  # repetition 0 warms up (oneDNN primitives for the new shapes)
             for i in list(range(len(options)))[rep % len(options) :] + list(range(len(options)))[: rep % len(options)]:
-                speed = decode_tokens_per_s(target, draft, batch_prompts, options[i], max_new)
+                speed = decode_tokens_per_s(target, draft, batch_prompts, options[i], max_new, sampling)
                 if rep:
                     samples[i].append(speed)
         speeds = [median(s) for s in samples]

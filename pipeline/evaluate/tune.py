@@ -195,6 +195,10 @@ def run_tune_tree(
         target, draft_model, calibration, max_new_tokens, curve, SAMPLING, start, sweeps
     )
     policy, policy_curve = serving_policy(cfg, target, draft_model, calibration, ranked, best, max_new_tokens)
+    # the sampling rounds' policy: the T=1 tree or plain rows per batch size, measured at T=1
+    sampling_policy, sampling_curve = serving_policy(
+        cfg, target, draft_model, calibration, [sampling_best], sampling_best, max_new_tokens, SAMPLING
+    )
     settings = tune_settings(cfg, draft_uri, prompts, max_new_tokens)
     result = {
         "key": reuse_key(settings),  # what a later run compares to reuse this tuning (``reusable_tuning``)
@@ -214,6 +218,8 @@ def run_tune_tree(
             "vanilla_tokens_per_s": sampling_vanilla,
             "expected_speedup": sampling_best.tokens_per_s / sampling_vanilla,
             "candidates": [asdict(c) for c in sampling_ranked],
+            "policy": policy_json(sampling_policy),  # decode.sampling_policy
+            "policy_curve": sampling_curve,
         },  # fmt: skip
         "overrides": [
             f"decode.{field}.{name}={getattr(tree, name)}"
@@ -298,13 +304,15 @@ def serving_policy(
     ranked: list[Candidate],
     best: Candidate,
     max_new: int,
+    sampling: SamplingConfig = GREEDY,
 ) -> tuple[dict[int, TreeConfig | None], list[dict[str, Any]]]:
-    """decode.policy measured on the calibration prompts (pipeline.evaluate.batch_policy); a lone
-    request keeps the searched tree, as evaluation decodes with it."""
+    """decode.policy (at T=0) or decode.sampling_policy (``sampling``) measured on the calibration
+    prompts (pipeline.evaluate.batch_policy); a lone request keeps the searched tree, as evaluation
+    decodes with it."""
     prompts = [ids[0].tolist() for ids in calibration]
     trees = candidate_trees([asdict(c) for c in ranked])
     policy, curve = measure_policy(
-        target, draft, prompts, trees, cfg.decode.tune_batches, min(max_new, POLICY_MAX_NEW), reps=1
+        target, draft, prompts, trees, cfg.decode.tune_batches, min(max_new, POLICY_MAX_NEW), 1, sampling
     )
     policy[1] = best.tree
     return policy, curve
@@ -354,6 +362,11 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
         "option; `decode.policy` is the best per batch size (at batch 1, the searched tree):",
         "",
         *policy_table(result["policy_curve"], result["policy"]),
+        "",
+        f"At T={sampling['temperature']:g}, `decode.sampling_policy`: the T={sampling['temperature']:g} tree or plain "
+        "rows per batch size, for rounds whose drafting rows all sample:",
+        "",
+        *policy_table(sampling["policy_curve"], sampling["policy"]),
     ]
     atomic_write_text(out / "tune_tree.md", "\n".join(lines) + "\n")
 

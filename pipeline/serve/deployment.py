@@ -160,6 +160,7 @@ class SpeculativeDecoder:
             "rounds": self.engine.engine.rounds,
             "policy": self.policy.describe(),
             "sampling_tree": self._sampling_tree(),
+            "sampling_policy": self.policy.describe_sampling(),
             "metrics_exported": self.metrics is not None,
             "recent": [trace.summary() for trace in list(self.recent)],
         }  # a snapshot: workers append to it
@@ -183,6 +184,7 @@ class SpeculativeDecoder:
             "tree": self.tree.model_dump(),
             "policy": self.policy.describe() if self.draft is not None else None,
             "sampling_tree": self._sampling_tree(),
+            "sampling_policy": self.policy.describe_sampling() if self.draft is not None else None,
             "max_batch": self.limits.max_batch,
             "max_context": self.target.max_context,
             "torch_threads": torch.get_num_threads(),

@@ -308,6 +308,38 @@ def test_rounds_whose_drafting_rows_all_sample_draft_the_sampling_tree():
     assert policy.tree_slack == SMALL.total_tokens + (SMALL.depth - 1) * SMALL.top_k
 
 
+def test_a_sampling_policy_decides_the_rounds_whose_drafting_rows_all_sample():
+    """sampling_trees {1: SMALL, 2: plain} beside a greedy policy that drafts at every size: two T=1 rows
+    together decode plainly, a T=1 row alone drafts SMALL, a T=0 row beside a T=1 one follows the greedy
+    policy; each T=1 row's tokens are those it decodes alone (seeded), and the KV slack covers SMALL."""
+    target = make_target("llama")
+    draft = GriffinDraft.for_target(target, variant="griffin")
+    leaf = TreeConfig(total_tokens=4, depth=1, top_k=3)
+    policy = SpeculationPolicy({1: leaf}, sampling_tree=leaf, sampling_trees={1: SMALL, 2: None})
+    assert policy.tree_for(1, sampling=True) == SMALL and policy.tree_for(5, sampling=True) is None
+    assert policy.tree_for(5) == leaf and policy.describe_sampling() == {1: SMALL.model_dump(), 2: None}
+    with pytest.raises(ValueError, match="batch size 1"):
+        SpeculationPolicy({1: leaf}, sampling_trees={2: None})
+    sampled, prompts = SamplingConfig(temperature=1.0), _prompts(2, seed=11)
+    alone = [
+        generate_batch(target, draft, [DecodeRequest(p, sampled, 12, i, [])], policy)[0] for i, p in enumerate(prompts)
+    ]
+    assert set(alone[0].stats.drafted_per_round) == {SMALL.total_tokens - 1}
+    together = generate_batch(
+        target, draft, [DecodeRequest(p, sampled, 12, i, []) for i, p in enumerate(prompts)], policy
+    )
+    assert set(together[0].stats.drafted_per_round[:5]) == {0}  # both sample: plain rows from the first round
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    mixed = generate_batch(
+        target,
+        draft,
+        [DecodeRequest(prompts[0], sampled, 12, 0, []), DecodeRequest(prompts[1], GREEDY, 12, 1, [])],
+        policy,
+    )
+    assert set(mixed[0].stats.drafted_per_round[:5]) == {leaf.total_tokens - 1} and mixed[0].tokens == alone[0].tokens
+    assert policy.tree_slack == SMALL.total_tokens + (SMALL.depth - 1) * SMALL.top_k
+
+
 def test_a_request_without_speculation_decodes_plainly_beside_speculative_rows():
     target = make_target("llama")
     draft = GriffinDraft.for_target(target, variant="griffin")
