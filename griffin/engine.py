@@ -126,8 +126,8 @@ class BatchEngine:
         """Compile and capture the decode steps before anything is timed or served (a no-op unless
         decoding is compiled; call it from the thread that will decode: CUDA graphs are per thread).
         Each batch size decodes through two width buckets (griffin.static), in drafting rounds (with
-        the sampling rounds' trees too, when the policy has its own for them) and in plain ones. Synthetic prompts; the
-        outputs are dropped."""
+        the sampling rounds' trees too, when the policy has its own for them) and in plain ones.
+        Synthetic prompts; the outputs are dropped."""
         if not self.compiled:
             return
         modes = [(SamplingConfig(), True), (SamplingConfig(), False)]

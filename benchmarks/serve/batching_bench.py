@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
-        "--policy", help="a tune_tree.json whose policy the replica serves with (default: the config's)"
+        "--policy", help="a tune_tree.json whose policies the replica serves with (default: the config's)"
     )
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
@@ -92,12 +92,13 @@ def main() -> None:
         total, depth, top_k = args.sampling_tree.split("/")
         overrides += [f"decode.sampling_tree={{total_tokens: {total}, depth: {depth}, top_k: {top_k}}}"]
     cfg = load_config("jobs/configs/smollm2-quick.yaml", overrides)
-    policy = json.loads(Path(args.policy).read_text())["policy"] if args.policy else None
-    if policy:
-        cfg = cfg.model_copy(
-            update={"decode": cfg.decode.model_copy(update={"policy": {int(b): t for b, t in policy.items()}})}
-        )
-        cfg = type(cfg).model_validate(cfg.model_dump())  # the policy's trees as TreeConfig
+    tuning = json.loads(Path(args.policy).read_text()) if args.policy else {}
+    if tuning:  # the greedy policy, and the sampling rounds' one when the tuning measured it
+        sampling = tuning.get("sampling", {}).get("policy")
+        update = {"policy": {int(b): t for b, t in tuning["policy"].items()}}
+        update["sampling_policy"] = {int(b): t for b, t in sampling.items()} if sampling else None
+        cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update=update)})
+        cfg = type(cfg).model_validate(cfg.model_dump())  # the policies' trees as TreeConfig
     questions = [q["turns"][0] for q in load_questions("mt_bench", 8)]
     url = start_serve(cfg)
     try:
@@ -135,6 +136,7 @@ def main() -> None:
         "dtype": args.dtype,
         "temperature": args.temperature,
         "policy": cfg.speculation_policy.describe(),
+        "sampling_policy": cfg.speculation_policy.describe_sampling(),
         "sampling_tree": args.sampling_tree,
         "new_tokens": args.new,
         "reps": args.reps,

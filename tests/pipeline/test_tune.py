@@ -17,6 +17,17 @@ from pipeline.evaluate.tune import Candidate, coordinate_search, reusable_tuning
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
 
 
+def test_a_tree_must_beat_plain_rows_by_the_margin_to_be_picked():
+    """A measured tie goes to plain rows (84.1 vs 83.8 tokens/s measured one way was 0.85x served)."""
+    from pipeline.evaluate.batch_policy import PLAIN_MARGIN, pick
+
+    small, wide = TreeConfig(total_tokens=4, depth=1, top_k=3), TreeConfig(total_tokens=12, depth=3, top_k=10)
+    options = [None, small, wide]
+    assert pick(options, [83.8, 84.1, 70.0]) is None
+    assert pick(options, [80.0, 80.0 * PLAIN_MARGIN + 0.1, 90.0]) == wide
+    assert pick(options, [100.0, 90.0, 80.0]) is None
+
+
 def test_coordinate_search_finds_the_peak_of_a_known_surface():
     """A synthetic speed surface peaked at (16, 5, 4): the search finds it and never scores a
     tree twice or one that TreeConfig refuses."""
