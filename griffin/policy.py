@@ -17,39 +17,28 @@ class SpeculationPolicy:
     """The tree for each batch size: ``trees[b]`` for the largest listed b <= the batch; ``None`` =
     plain decoding. E.g. {1: wide, 2: small, 4: None}: batch 3 uses small, batch 8 decodes plainly.
     In a round whose drafting rows all sample (T > 0) a draft token is accepted only with the target's
-    probability of it, so a smaller tree pays, and plain rows from a smaller batch on:
-    ``sampling_trees`` (same form) then applies when given, else ``sampling_tree`` replaces a drafting
-    tree of ``trees``."""
+    probability of it, so a smaller tree pays, and plain rows from a smaller batch on: such rounds
+    follow ``sampling_trees`` (same form; ``sampling_table`` builds the one-tree rule), else ``trees``."""
 
-    def __init__(
-        self,
-        trees: dict[int, TreeConfig | None],
-        sampling_tree: TreeConfig | None = None,
-        sampling_trees: dict[int, TreeConfig | None] | None = None,
-    ):
+    def __init__(self, trees: dict[int, TreeConfig | None], sampling_trees: dict[int, TreeConfig | None] | None = None):
         for table in (trees, sampling_trees):
             if table is not None and (not table or min(table) != 1):
                 raise ValueError(f"a speculation policy needs an entry for batch size 1, got {sorted(table)}")
         self.trees = dict(sorted(trees.items()))
-        self.sampling_tree = sampling_tree
-        self.sampling_trees = dict(sorted(sampling_trees.items())) if sampling_trees is not None else None
+        self.sampling_trees = dict(sorted(sampling_trees.items())) if sampling_trees is not None else self.trees
 
     def tree_for(self, batch: int, sampling: bool = False) -> TreeConfig | None:
-        if sampling and self.sampling_trees is not None:
-            return _entry(self.sampling_trees, batch)
-        tree = _entry(self.trees, batch)
-        return self.sampling_tree if tree is not None and sampling and self.sampling_tree is not None else tree
+        return _entry(self.sampling_trees if sampling else self.trees, batch)
 
     @property
     def samples_otherwise(self) -> bool:
         """True when a round whose drafting rows all sample may draft another tree than a greedy one."""
-        return self.sampling_tree is not None or self.sampling_trees is not None
+        return self.sampling_trees != self.trees
 
     @property
     def tree_slack(self) -> int:
         """KV entries a round may write past a row's length: the widest tree, plus its draft levels."""
-        sampling = list((self.sampling_trees or {}).values())
-        trees = [t for t in [*self.trees.values(), self.sampling_tree, *sampling] if t]
+        trees = [t for t in [*self.trees.values(), *self.sampling_trees.values()] if t]
         return max((t.total_tokens for t in trees), default=1) + max(
             ((t.depth - 1) * t.top_k for t in trees), default=0
         )
@@ -57,9 +46,19 @@ class SpeculationPolicy:
     def describe(self) -> dict[int, dict | None]:
         return _described(self.trees)
 
-    def describe_sampling(self) -> dict[int, dict | None] | None:
-        """The sampling rounds' trees per batch size; None when they follow ``sampling_tree``'s rule."""
-        return None if self.sampling_trees is None else _described(self.sampling_trees)
+    def describe_sampling(self) -> dict[int, dict | None]:
+        """The trees of rounds whose drafting rows all sample, per batch size."""
+        return _described(self.sampling_trees)
+
+
+def sampling_table(
+    trees: dict[int, TreeConfig | None], sampling_tree: TreeConfig | None
+) -> dict[int, TreeConfig | None] | None:
+    """The sampling rounds' trees when one ``sampling_tree`` replaces every drafting tree of ``trees``
+    (plain sizes stay plain); None without one: those rounds follow ``trees``."""
+    if sampling_tree is None:
+        return None
+    return {size: (sampling_tree if tree is not None else None) for size, tree in trees.items()}
 
 
 def _described(table: dict[int, TreeConfig | None]) -> dict[int, dict | None]:

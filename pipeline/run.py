@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pipeline.config import RunConfig
+from pipeline.config import DecodeSection, RunConfig
 from pipeline.console import say
 from pipeline.files import atomic_write_json
 
@@ -48,7 +48,6 @@ class Banners:
 def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     """``cfg`` decoding with the tree ``griffin tune-tree`` picks for this draft on this machine
     (a finished tuning of the same draft, with the same settings on the same machine, is reused)."""
-    from griffin.config import TreeConfig
     from pipeline.evaluate.tune import reusable_tuning, run_tune_tree
 
     tuning = reusable_tuning(cfg, model_uri)
@@ -56,24 +55,37 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
         say(f"tune-tree for {model_uri} already in {cfg.run_dir / 'tune_tree'}: reused")
     else:
         tuning = run_tune_tree(cfg, draft=model_uri)
-    best = tuning["best"]
-    fields = ("total_tokens", "depth", "top_k")
-    tree = TreeConfig(**{name: best[name] for name in fields})
-    sampling_tree = TreeConfig(**{name: tuning["sampling"]["best"][name] for name in fields})
+    decode = tuned_decode(cfg.decode, tuning)
+    tree, sampling_policy = decode.tree, tuning["sampling"].get("policy")
     say(
         f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
-        f"(τ {best['tau']:.2f} on the calibration prompts); at T > 0: {sampling_tree.label}"
+        f"(τ {tuning['best']['tau']:.2f} on the calibration prompts); at T > 0: {decode.sampling_tree.label}"
     )
-    sampling_policy = tuning["sampling"].get("policy")  # a tuning written before it was measured has none
     say(
         f"serving policy (tree per batch size): {_policy_line(tuning['policy'])}"
         + (f"; at T > 0: {_policy_line(sampling_policy)}" if sampling_policy else "")
     )
-    decode = {"tree": tree, "sampling_tree": sampling_tree, "policy": _policy(tuning["policy"])}
-    decode["sampling_policy"] = _policy(sampling_policy) if sampling_policy else None
-    return cfg.model_copy(
-        update={"decode": cfg.decode.model_copy(update=decode), "eval": cfg.eval.model_copy(update={"tree": None})}
-    )
+    return cfg.model_copy(update={"decode": decode, "eval": cfg.eval.model_copy(update={"tree": None})})
+
+
+def tuned_decode(decode: DecodeSection, tuning: dict[str, Any]) -> DecodeSection:
+    """``decode`` with a tuning's trees and policies (tune_tree.json, or what
+    ``griffin tune-tree`` returns); a tuning written before the sampling policy was measured keeps
+    ``decode.sampling_policy``."""
+    from griffin.config import TreeConfig
+
+    def tree(measured: dict[str, Any]) -> TreeConfig:
+        return TreeConfig(**{name: measured[name] for name in ("total_tokens", "depth", "top_k")})
+
+    sampling = tuning["sampling"]
+    update = {
+        "tree": tree(tuning["best"]),
+        "sampling_tree": tree(sampling["best"]),
+        "policy": _policy(tuning["policy"]),
+    }
+    if sampling.get("policy"):
+        update["sampling_policy"] = _policy(sampling["policy"])
+    return decode.model_copy(update=update)
 
 
 def _policy_line(policy: dict[str, Any]) -> str:

@@ -81,6 +81,7 @@ def main() -> None:
     from pipeline.evaluate.report import machine_identity
     from pipeline.resources.questions import load_questions
     from pipeline.serve.lifecycle import start_serve, stop_serve
+    from pipeline.run import tuned_decode
 
     overrides = [
         f"target.dtype={args.dtype}",
@@ -93,12 +94,8 @@ def main() -> None:
         overrides += [f"decode.sampling_tree={{total_tokens: {total}, depth: {depth}, top_k: {top_k}}}"]
     cfg = load_config("jobs/configs/smollm2-quick.yaml", overrides)
     tuning = json.loads(Path(args.policy).read_text()) if args.policy else {}
-    if tuning:  # the greedy policy, and the sampling rounds' one when the tuning measured it
-        sampling = tuning.get("sampling", {}).get("policy")
-        update = {"policy": {int(b): t for b, t in tuning["policy"].items()}}
-        update["sampling_policy"] = {int(b): t for b, t in sampling.items()} if sampling else None
-        cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update=update)})
-        cfg = type(cfg).model_validate(cfg.model_dump())  # the policies' trees as TreeConfig
+    if tuning:  # its trees and policies, as griffin run applies them
+        cfg = cfg.model_copy(update={"decode": tuned_decode(cfg.decode, tuning)})
     questions = [q["turns"][0] for q in load_questions("mt_bench", 8)]
     url = start_serve(cfg)
     try:

@@ -120,12 +120,13 @@ class RunConfig(Section):
         with ``decode.tree`` below its smallest batch size (at every size without a policy), and for
         rounds whose drafting rows all sample ``decode.sampling_policy``, with ``decode.sampling_tree``
         (else ``decode.tree``) below its smallest size, or without one ``decode.sampling_tree``."""
-        from griffin.policy import SpeculationPolicy
+        from griffin.policy import SpeculationPolicy, sampling_table
 
         decode = self.decode
-        sampling = decode.sampling_policy
-        sampling_trees = {1: decode.sampling_tree or decode.tree, **sampling} if sampling is not None else None
-        return SpeculationPolicy({1: decode.tree, **(decode.policy or {})}, decode.sampling_tree, sampling_trees)
+        trees = {1: decode.tree, **(decode.policy or {})}
+        if decode.sampling_policy is None:
+            return SpeculationPolicy(trees, sampling_table(trees, decode.sampling_tree))
+        return SpeculationPolicy(trees, {1: decode.sampling_tree or decode.tree, **decode.sampling_policy})
 
     def sampling(self, temperature: float) -> SamplingConfig:
         return SamplingConfig(temperature=temperature, top_p=self.eval.sampling_top_p if temperature > 0 else 1.0)

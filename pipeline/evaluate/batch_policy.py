@@ -56,7 +56,7 @@ def decode_tokens_per_s(
     seeded i), prefills left out."""
     requests = [DecodeRequest(p, sampling, max_new, i, stop_token_ids=[]) for i, p in enumerate(prompts)]
     start = device_time(target.device)
-    results = generate_batch(target, draft, requests, SpeculationPolicy({1: tree}, sampling_trees={1: tree}))
+    results = generate_batch(target, draft, requests, SpeculationPolicy({1: tree}, {1: tree}))
     elapsed = device_time(target.device) - start - sum(r.stats.prefill_time for r in results)
     return sum(len(r.tokens) - 1 for r in results) / elapsed  # the first token of each is the prefill's
 

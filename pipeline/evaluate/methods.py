@@ -14,7 +14,7 @@ import torch
 
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
-from griffin.policy import SpeculationPolicy
+from griffin.policy import SpeculationPolicy, sampling_table
 from pipeline.config import RunConfig, TargetSection
 from pipeline.resources.drafts import load_draft_uri
 from pipeline.resources.targets import load_target
@@ -46,7 +46,7 @@ def local_decoder(
 ) -> Method:
     """Our decoder in this process: speculative with ``draft`` and ``tree`` (``sampling_tree`` at
     T > 0 when set: the rule of a replica's policy, ``SpeculationPolicy.tree_for``), vanilla without."""
-    policy = SpeculationPolicy({1: tree}, sampling_tree)
+    policy = SpeculationPolicy({1: tree}, sampling_table({1: tree}, sampling_tree))
 
     def run(messages, prompt_ids, sampling, max_new, seed) -> Output:
         ids = torch.tensor([prompt_ids], device=target.device)  # (1, T)

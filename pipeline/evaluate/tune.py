@@ -195,9 +195,9 @@ def run_tune_tree(
         target, draft_model, calibration, max_new_tokens, curve, SAMPLING, start, sweeps
     )
     policy, policy_curve = serving_policy(cfg, target, draft_model, calibration, ranked, best, max_new_tokens)
-    # the sampling rounds' policy: the T=1 tree or plain rows per batch size, measured at T=1
+    # the sampling rounds' policy, from the T=1 search's trees, measured at T=1
     sampling_policy, sampling_curve = serving_policy(
-        cfg, target, draft_model, calibration, [sampling_best], sampling_best, max_new_tokens, SAMPLING
+        cfg, target, draft_model, calibration, sampling_ranked, sampling_best, max_new_tokens, SAMPLING
     )
     settings = tune_settings(cfg, draft_uri, prompts, max_new_tokens)
     result = {
@@ -363,8 +363,8 @@ def write_tune_report(out: Path, result: dict[str, Any]) -> None:
         "",
         *policy_table(result["policy_curve"], result["policy"]),
         "",
-        f"At T={sampling['temperature']:g}, `decode.sampling_policy`: the T={sampling['temperature']:g} tree or plain "
-        "rows per batch size, for rounds whose drafting rows all sample:",
+        f"At T={sampling['temperature']:g}, `decode.sampling_policy`: the same measurement of the T="
+        f"{sampling['temperature']:g} search's trees, for rounds whose drafting rows all sample:",
         "",
         *policy_table(sampling["policy_curve"], sampling["policy"]),
     ]

@@ -104,6 +104,7 @@ class SpeculativeDecoder:
         self.draft_uri = cfg.serve.draft_uri
         self.draft = load_draft_uri(self.draft_uri, self.target, cfg) if self.draft_uri else None
         self.model_id, self.tree = served_model_name(cfg), cfg.decode.tree
+        self.sampling_tree = cfg.decode.sampling_tree
         self.policy = cfg.speculation_policy if self.draft is not None else SpeculationPolicy({1: None})
         self.default_max_tokens = cfg.serve.default_max_tokens
         self.limits = cfg.serve
@@ -167,7 +168,7 @@ class SpeculativeDecoder:
 
     def _sampling_tree(self) -> dict | None:
         """The tree of rounds whose drafting rows all sample (``decode.sampling_tree``), if any."""
-        tree = self.policy.sampling_tree if self.draft is not None else None
+        tree = self.sampling_tree if self.draft is not None else None
         return tree.model_dump() if tree is not None else None
 
     async def models(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import mlflow
 class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from griffin.config import TreeConfig
-        from griffin.policy import SpeculationPolicy
+        from griffin.policy import SpeculationPolicy, sampling_table
         from pipeline.config import DecodeSection, TargetSection
         from pipeline.resources.drafts import ARTIFACT_KEY, load_draft_dir
         from pipeline.resources.targets import load_target
@@ -44,7 +44,8 @@ class SpeculativePyfunc(mlflow.pyfunc.PythonModel):
         # the rule of a replica's policy (SpeculationPolicy.tree_for): ``sampling_tree`` for T > 0 when set;
         # a version registered before it was recorded has none
         sampling_tree = TreeConfig(**config["sampling_tree"]) if config.get("sampling_tree") else None
-        self.policy = SpeculationPolicy({1: TreeConfig(**config["tree"])}, sampling_tree)
+        trees = {1: TreeConfig(**config["tree"])}
+        self.policy = SpeculationPolicy(trees, sampling_table(trees, sampling_tree))
         self.defaults = dict(config.get("params") or {})
 
     # model_input has no type hint: MLflow would derive an input schema from it (the signature has one)

@@ -6,7 +6,7 @@ import torch
 from griffin.config import SamplingConfig, TreeConfig
 from griffin.decode import speculative_generate, vanilla_generate
 from griffin.engine import BatchEngine
-from griffin.policy import SpeculationPolicy
+from griffin.policy import SpeculationPolicy, sampling_table
 from griffin.request import DecodeRequest
 from griffin.offline import generate_batch
 from griffin.model import GriffinDraft
@@ -295,7 +295,8 @@ def test_rounds_whose_drafting_rows_all_sample_draft_the_sampling_tree():
     covers the sampling tree."""
     target = make_target("llama")
     draft = GriffinDraft.for_target(target, variant="griffin")
-    policy = SpeculationPolicy({1: TreeConfig(total_tokens=4, depth=1, top_k=3)}, sampling_tree=SMALL)
+    trees = {1: TreeConfig(total_tokens=4, depth=1, top_k=3)}
+    policy = SpeculationPolicy(trees, sampling_table(trees, SMALL))
     sampled, prompts = SamplingConfig(temperature=1.0), _prompts(2, seed=9)
     alone = [
         generate_batch(target, draft, [DecodeRequest(prompts[0], s, 12, 1, [])], policy)[0] for s in (sampled, GREEDY)
@@ -315,7 +316,7 @@ def test_a_sampling_policy_decides_the_rounds_whose_drafting_rows_all_sample():
     target = make_target("llama")
     draft = GriffinDraft.for_target(target, variant="griffin")
     leaf = TreeConfig(total_tokens=4, depth=1, top_k=3)
-    policy = SpeculationPolicy({1: leaf}, sampling_tree=leaf, sampling_trees={1: SMALL, 2: None})
+    policy = SpeculationPolicy({1: leaf}, {1: SMALL, 2: None})
     assert policy.tree_for(1, sampling=True) == SMALL and policy.tree_for(5, sampling=True) is None
     assert policy.tree_for(5) == leaf and policy.describe_sampling() == {1: SMALL.model_dump(), 2: None}
     with pytest.raises(ValueError, match="batch size 1"):

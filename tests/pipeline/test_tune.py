@@ -12,6 +12,7 @@ from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.resources.drafts import save_draft_with_lineage
 from pipeline.resources.targets import load_target
+from pipeline.run import tuned_decode
 from pipeline.evaluate.tune import Candidate, coordinate_search, reusable_tuning, run_tune_tree, verify_cost_curve
 
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny.yaml"
@@ -121,18 +122,14 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     assert sampling["1"] == TreeConfig(**{k: sampled[k] for k in ("total_tokens", "depth", "top_k")}).model_dump()
     assert {(r["batch"], r["tree"]) for r in report["sampling"]["policy_curve"]} >= {(8, "plain"), (1, "plain")}
     assert "decode.sampling_policy" in (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.md").read_text()
-    assert (
-        load_config(TINY, [f"output_dir={tmp_path}"])
-        .model_copy(
-            update={
-                "decode": cfg.decode.model_copy(
-                    update={"policy": {int(b): t and TreeConfig(**t) for b, t in policy.items()}}
-                )
-            }
-        )
-        .speculation_policy.tree_for(1)
-        is not None
-    )
+    # griffin run's reading of it: both policies, their batch-1 trees the searched ones; a tuning written
+    # before the sampling policy was measured keeps the config's
+    base = load_config(TINY, [f"output_dir={tmp_path}", "decode.sampling_policy={1: null}"])
+    tuned = base.model_copy(update={"decode": tuned_decode(base.decode, report)}).speculation_policy
+    assert tuned.describe() == {int(b): t for b, t in policy.items()}
+    assert tuned.describe_sampling() == {int(b): t for b, t in sampling.items()}
+    old = {**report, "sampling": {k: v for k, v in report["sampling"].items() if k != "policy"}}
+    assert tuned_decode(base.decode, old).sampling_policy == {1: None}
 
 
 def test_a_finished_tuning_is_reused_only_with_the_same_settings(tmp_path):
