@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
-        "--policy", help="a tune_tree.json whose policies the replica serves with (default: the config's)"
+        "--policy", help="a tune_tree.json whose trees and policies the replica serves with (default: the config's)"
     )
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
@@ -134,7 +134,8 @@ def main() -> None:
         "temperature": args.temperature,
         "policy": cfg.speculation_policy.describe(),
         "sampling_policy": cfg.speculation_policy.describe_sampling(),
-        "sampling_tree": args.sampling_tree,
+        "sampling_tree": cfg.decode.sampling_tree.label if cfg.decode.sampling_tree else None,
+        "tuning": args.policy,  # the tune_tree.json applied, if any
         "new_tokens": args.new,
         "reps": args.reps,
         "tokens_per_s": rate,

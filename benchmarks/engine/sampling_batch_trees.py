@@ -1,0 +1,87 @@
+"""Does drafting pay at T = 1 with B rows at once? Decode tokens/s of B calibration prompts decoded
+together through the engine (``pipeline.evaluate.batch_policy.decode_tokens_per_s``, what
+``griffin tune-tree`` measures for ``decode.sampling_policy``), plain rows vs a range of trees, from
+tune-tree's T = 1 pick (4/1/8 on SmolLM2) down to a 2-token tree and up to the T = 0 policy's 4/3/10.
+
+SmolLM2-135M-Instruct fp32 with the shipped GRIFFIN draft, 1 thread (a decoder replica's
+``serve.num_cpus: 1``), seeded rows (row i with seed i), 48 tokens each, interleaved over repetitions
+(medians; repetition 0 warms up). Writes sampling_batch_trees.json.
+
+    python benchmarks/engine/sampling_batch_trees.py [--batches 1 4] [--reps 3] [--new 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+
+OUT = Path(__file__).parent
+DRAFT = "drafts/smollm2-135m-instruct/griffin"
+TREES = ["4/1/8", "4/2/3", "4/3/10", "3/2/2", "3/3/1", "2/1/2", "2/2/1"]
+
+
+def main() -> None:
+    from griffin.config import SamplingConfig, TreeConfig
+    from pipeline.config import load_config
+    from pipeline.evaluate.batch_policy import decode_tokens_per_s
+    from pipeline.evaluate.report import machine_identity
+    from pipeline.evaluate.tune import calibration_prompts
+    from pipeline.resources.drafts import load_draft_uri
+    from pipeline.resources.targets import load_decoding_target
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new", type=int, default=48)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = load_config("jobs/configs/smollm2-quick.yaml", ["target.dtype=float32", "output_dir=/tmp/sampling_batch"])
+    target = load_decoding_target(cfg)
+    draft = load_draft_uri(DRAFT, target, cfg)
+    prompts = [ids[0].tolist() for ids in calibration_prompts(cfg, target.tokenizer, 8)]
+    options = [
+        None,
+        *(TreeConfig(**dict(zip(("total_tokens", "depth", "top_k"), map(int, t.split("/"))))) for t in TREES),
+    ]
+    sampling = SamplingConfig(temperature=1.0)
+    results = []
+    for batch in args.batches:
+        rows = [prompts[i % len(prompts)] for i in range(batch)]
+        speeds: list[list[float]] = [[] for _ in options]
+        for rep in range(args.reps + 1):
+            for i in range(len(options)):
+                j = (i + rep) % len(options)
+                speed = decode_tokens_per_s(target, draft, rows, options[j], args.new, sampling)
+                if rep:  # repetition 0 warms up (oneDNN primitives for the new shapes)
+                    speeds[j].append(speed)
+        plain = median(speeds[0])
+        for option, measured in zip(options, speeds):
+            label = "plain" if option is None else option.label
+            results.append(
+                {"batch": batch, "tree": label, "tokens_per_s": median(measured), "vs_plain": median(measured) / plain}
+            )
+            print(
+                f"batch {batch} {label:7s} {median(measured):6.1f} tokens/s  {median(measured) / plain:.2f}x plain",
+                flush=True,
+            )
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_identity(),
+        "target": "SmolLM2-135M-Instruct fp32",
+        "draft": DRAFT,
+        "temperature": 1.0,
+        "new_tokens": args.new,
+        "reps": args.reps,
+        "threads": 1,
+        "results": results,
+    }
+    (OUT / "sampling_batch_trees.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
