@@ -56,16 +56,18 @@ def _tuned(cfg: RunConfig, model_uri: str) -> RunConfig:
     else:
         tuning = run_tune_tree(cfg, draft=model_uri)
     decode = tuned_decode(cfg.decode, tuning)
-    tree, sampling_policy = decode.tree, tuning["sampling"].get("policy")
+    tree, sampled = decode.tree, decode.sampling_tree
     say(
         f"tree: total_tokens={tree.total_tokens} depth={tree.depth} top_k={tree.top_k} "
-        f"(τ {tuning['best']['tau']:.2f} on the calibration prompts); at T > 0: {decode.sampling_tree.label}"
+        f"(τ {tuning['best']['tau']:.2f} on the calibration prompts); at T > 0: {sampled.label if sampled else tree.label}"
     )
+    tuned = cfg.model_copy(update={"decode": decode, "eval": cfg.eval.model_copy(update={"tree": None})})
+    policy = tuned.speculation_policy
     say(
-        f"serving policy (tree per batch size): {_policy_line(tuning['policy'])}"
-        + (f"; at T > 0: {_policy_line(sampling_policy)}" if sampling_policy else "")
+        f"serving policy (tree per batch size): {_policy_line(policy.trees)}"
+        + (f"; at T > 0: {_policy_line(policy.sampling_trees)}" if decode.sampling_policy else "")
     )
-    return cfg.model_copy(update={"decode": decode, "eval": cfg.eval.model_copy(update={"tree": None})})
+    return tuned
 
 
 def tuned_decode(decode: DecodeSection, tuning: dict[str, Any]) -> DecodeSection:
@@ -88,8 +90,9 @@ def tuned_decode(decode: DecodeSection, tuning: dict[str, Any]) -> DecodeSection
     return decode.model_copy(update=update)
 
 
-def _policy_line(policy: dict[str, Any]) -> str:
-    return ", ".join(f"{b}: {t and '/'.join(str(v) for v in t.values()) or 'plain'}" for b, t in policy.items())
+def _policy_line(trees: dict[int, Any]) -> str:
+    """{1: 6/2/6, 4: None} -> "1: 6/2/6, 4: plain"."""
+    return ", ".join(f"{size}: {tree.label if tree else 'plain'}" for size, tree in trees.items())
 
 
 def _policy(policy: dict[str, Any]) -> dict[int, Any]:

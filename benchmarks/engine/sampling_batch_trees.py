@@ -1,7 +1,8 @@
 """Does drafting pay at T = 1 with B rows at once? Decode tokens/s of B calibration prompts decoded
 together through the engine (``pipeline.evaluate.batch_policy.decode_tokens_per_s``, what
-``griffin tune-tree`` measures for ``decode.sampling_policy``), plain rows vs a range of trees, from
-tune-tree's T = 1 pick (4/1/8 on SmolLM2) down to a 2-token tree and up to the T = 0 policy's 4/3/10.
+``griffin tune-tree`` measures for ``decode.sampling_policy``), plain rows vs a range of trees: the
+T = 1 picks of tune-tree here (4/1/8; 4/1/3 and 4/1/4 in other runs) and their neighbours, down to
+2-token trees and up to a T = 0 policy's 4/3/10.
 
 SmolLM2-135M-Instruct fp32 with the shipped GRIFFIN draft, 1 thread (a decoder replica's
 ``serve.num_cpus: 1``), seeded rows (row i with seed i), 48 tokens each, interleaved over repetitions

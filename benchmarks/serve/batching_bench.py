@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--sampling-tree", help="decode.sampling_tree as total_tokens/depth/top_k (default: none)")
     parser.add_argument("--name", help="the result's file name here (default: from the dtype, T and sampling tree)")
     args = parser.parse_args()
+    if args.policy and args.sampling_tree:
+        parser.error("--policy serves the tuning's sampling tree: leave out --sampling-tree")
     global TEMPERATURE
     TEMPERATURE = args.temperature
     from pipeline.config import load_config

@@ -155,6 +155,7 @@ def tune_settings(cfg: RunConfig, draft_uri: str, prompts: int, max_new_tokens: 
         "sampling": {
             "temperature": SAMPLING.temperature,
             "start": (cfg.decode.sampling_tree or SAMPLING_START).model_dump(),
+            "policy_over": "ranked",  # its policy measures the search's candidate trees (it measured the best alone)
         },
         "machine": machine_identity(),
     }
