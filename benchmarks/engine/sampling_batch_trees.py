@@ -1,8 +1,8 @@
 """Does drafting pay at T = 1 with B rows at once? Decode tokens/s of B calibration prompts decoded
-together through the engine (``pipeline.evaluate.batch_policy.decode_tokens_per_s``, what
-``griffin tune-tree`` measures for ``decode.sampling_policy``), plain rows vs a range of trees: the
-T = 1 picks of tune-tree here (4/1/8; 4/1/3 and 4/1/4 in other runs) and their neighbours, down to
-2-token trees and up to a T = 0 policy's 4/3/10.
+together through the engine (``pipeline.evaluate.batch_policy.measure_policy``, which ``griffin
+tune-tree`` measures ``decode.sampling_policy`` with; batch 1 is always among the batches), plain rows
+vs a range of trees: the T = 1 picks of tune-tree here (4/1/8; 4/1/3 and 4/1/4 in other runs) and their
+neighbours, down to 2-token trees and up to a T = 0 policy's 4/3/10.
 
 SmolLM2-135M-Instruct fp32 with the shipped GRIFFIN draft, 1 thread (a decoder replica's
 ``serve.num_cpus: 1``), seeded rows (row i with seed i), 48 tokens each, interleaved over repetitions
@@ -17,7 +17,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from statistics import median
 
 import torch
 
@@ -29,7 +28,7 @@ TREES = ["4/1/8", "4/2/3", "4/3/10", "3/2/2", "3/3/1", "2/1/2", "2/2/1"]
 def main() -> None:
     from griffin.config import SamplingConfig, TreeConfig
     from pipeline.config import load_config
-    from pipeline.evaluate.batch_policy import decode_tokens_per_s
+    from pipeline.evaluate.batch_policy import measure_policy
     from pipeline.evaluate.report import machine_identity
     from pipeline.evaluate.tune import calibration_prompts
     from pipeline.resources.drafts import load_draft_uri
@@ -45,31 +44,15 @@ def main() -> None:
     target = load_decoding_target(cfg)
     draft = load_draft_uri(DRAFT, target, cfg)
     prompts = [ids[0].tolist() for ids in calibration_prompts(cfg, target.tokenizer, 8)]
-    options = [
-        None,
-        *(TreeConfig(**dict(zip(("total_tokens", "depth", "top_k"), map(int, t.split("/"))))) for t in TREES),
-    ]
+    trees = [TreeConfig(**dict(zip(("total_tokens", "depth", "top_k"), map(int, t.split("/"))))) for t in TREES]
     sampling = SamplingConfig(temperature=1.0)
-    results = []
-    for batch in args.batches:
-        rows = [prompts[i % len(prompts)] for i in range(batch)]
-        speeds: list[list[float]] = [[] for _ in options]
-        for rep in range(args.reps + 1):
-            for i in range(len(options)):
-                j = (i + rep) % len(options)
-                speed = decode_tokens_per_s(target, draft, rows, options[j], args.new, sampling)
-                if rep:  # repetition 0 warms up (oneDNN primitives for the new shapes)
-                    speeds[j].append(speed)
-        plain = median(speeds[0])
-        for option, measured in zip(options, speeds):
-            label = "plain" if option is None else option.label
-            results.append(
-                {"batch": batch, "tree": label, "tokens_per_s": median(measured), "vs_plain": median(measured) / plain}
-            )
-            print(
-                f"batch {batch} {label:7s} {median(measured):6.1f} tokens/s  {median(measured) / plain:.2f}x plain",
-                flush=True,
-            )
+    _, curve = measure_policy(target, draft, prompts, trees, args.batches, args.new, args.reps, sampling)
+    plain = {row["batch"]: row["tokens_per_s"] for row in curve if row["tree"] == "plain"}
+    results = [{**row, "vs_plain": row["tokens_per_s"] / plain[row["batch"]]} for row in curve]
+    for row in results:
+        print(
+            f"batch {row['batch']} {row['tree']:7s} {row['tokens_per_s']:6.1f} tokens/s  {row['vs_plain']:.2f}x plain"
+        )
     out = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_identity(),

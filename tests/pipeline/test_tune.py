@@ -116,7 +116,7 @@ def test_tune_tree_cli_writes_the_report(tmp_path, capsys):
     assert {row["batch"] for row in report["policy_curve"]} == {1, 2, 4, 8}
     assert all(any(r["batch"] == b and r["tree"] == "plain" for r in report["policy_curve"]) for b in (1, 2, 4, 8))
     assert "| batch |" in (tmp_path / cfg.run_name / "tune_tree" / "tune_tree.md").read_text()
-    # the sampling rounds' policy: measured at T=1 per batch size, the T=1 tree or plain rows
+    # the sampling rounds' policy: measured at T=1 per batch size, one of the T=1 search's trees or plain rows
     sampling, sampled = report["sampling"]["policy"], report["sampling"]["best"]
     assert sorted(int(b) for b in sampling) == [1, 2, 4, 8]
     assert sampling["1"] == TreeConfig(**{k: sampled[k] for k in ("total_tokens", "depth", "top_k")}).model_dump()
