@@ -128,7 +128,7 @@ def eval_reads(out: str) -> dict:
 def stage_measures() -> dict:
     """The measures a training stage shows, taken from the benchmarks that run one: epoch starts
     (benchmarks/training/epoch_start.json) and a stage's target loads, steps lost to a killed worker
-    and rows featurized again by its resume (stage_restarts.json); run those first."""
+    and what its resume read again (stage_restarts.json); run those first."""
     from statistics import median
 
     epochs = json.loads((HERE.parent / "training" / "epoch_start.json").read_text())
@@ -201,9 +201,10 @@ def write(result: dict) -> None:
             "value": result["make_test"]["wall_s"],
         },
         "resume_reread_bytes == 0": {
-            "met": stage["resume"]["rows_again"] == 0,
-            "value": f"{stage['resume']['rows_again']} rows featurized again (the resume part's rows before its "
-            "row, and the rows each rank skips in its first block); no row before that part",
+            "met": stage["resume"]["bytes_read_again"] == 0,
+            "value": f"{stage['resume']['bytes_read_again']} bytes of trained rows read again by the ranks; "
+            f"{stage['resume']['rows_left_unread']} rows left unread (the resume part's rows before its row, "
+            "and the rows each rank skips)",
         },
     }
     (HERE / "restart_cost.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -257,12 +258,14 @@ def write(result: dict) -> None:
         f"{stage['checkpoint_every']}: the steps since the last checkpoint Ray Train had taken in; it polls reports, "
         "and a checkpoint saved moments before the kill may not count yet; with a preemption notice a checkpoint "
         "is saved at once, tests/pipeline/test_train.py).",
-        f"- Its resume started the stream at {stage['resume']['position']}: "
-        f"{stage['resume']['rows_again']} rows featurized again (the resume part's "
-        f"{stage['resume']['rows_before_resume_row']} rows before its row, and "
-        f"{stage['resume']['rows_skipped_per_rank']} skipped per rank); no row of any earlier part. Before, a resume "
-        "re-read (online: featurized again) every row of the epoch up to its position. Goal 0: "
-        f"**{'met' if stage['resume']['rows_again'] == 0 else 'missed'}** (at most one part and one block a rank).",
+        f"- Its resume started the stream at {stage['resume']['position']}: the resume part's "
+        f"{stage['resume']['rows_before_resume_row']} rows before its row were not featurized, and the rows each "
+        f"rank had trained on from there ({stage['resume']['rows_skipped_per_rank']}) came empty: "
+        f"**{stage['resume']['bytes_read_again']} bytes** of trained rows reached the ranks again (their audits' "
+        "`bytes_read_again`). Goal 0: "
+        f"**{'met' if stage['resume']['bytes_read_again'] == 0 else 'missed'}**. Before, a resume featurized "
+        "(offline: read) the resume part's rows before its row and the rows each rank skipped again, and "
+        "earlier every row of the epoch up to its position.",
         "",
         _make_test_line(result["make_test"]),
         "",

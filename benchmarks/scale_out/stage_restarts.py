@@ -12,8 +12,10 @@ from the Ray state API and the stages' own audit files:
   rows' pool once a run (they are featurized once and held), and the stream's pool once a stage;
 - epochs read, from the "<epoch>:<sample id>"s each step trained on;
 - steps lost to the kill: steps trained again after the restart (the audit logs every attempt);
-- rows featurized again by the resume: the rows of the part the stream resumes in that come before its
-  resume row (featurized with the part, then dropped), and the rows each rank skips in its first block.
+- what the resume read again: the bytes of the rows each rank had trained on that reached it with their
+  features in the restarted attempt (its audit's ``bytes_read_again``; the stream leaves those rows
+  empty), beside the rows left unread: the resume part's rows before its resume row (not in the
+  stream, never featurized) and the rows each rank skips.
 
 Writes benchmarks/scale_out/stage_restarts.json (restart_cost.py reads it into restart_cost.json).
 
@@ -94,11 +96,16 @@ def kill_a_worker_after(audit: Path, step: int, stop: threading.Event) -> dict:
     return killed
 
 
-def audit_steps(cfg, stage: int) -> tuple[list[int], list[set[int]]]:
-    """Rank 0's logged steps (every attempt's) and the epochs each step trained on."""
+def audit_records(cfg, stage: int, rank: int) -> list[dict]:
+    """A rank's audit records of a stage (pipeline.train.worker._audit), every attempt's, in order."""
     from pipeline.train.driver import stage_dir
 
-    records = [json.loads(line) for line in (stage_dir(cfg, stage) / "data_rank0.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (stage_dir(cfg, stage) / f"data_rank{rank}.jsonl").read_text().splitlines()]
+
+
+def audit_steps(cfg, stage: int) -> tuple[list[int], list[set[int]]]:
+    """Rank 0's logged steps (every attempt's) and the epochs each step trained on."""
+    records = audit_records(cfg, stage, 0)
     return [r["step"] for r in records], [{int(s.split(":")[0]) for s in r["sample_ids"]} for r in records]
 
 
@@ -120,12 +127,16 @@ def resume_recomputed(cfg, steps: list[int]) -> dict:
     ]
     resumed = next(s for s in saved if s["step"] == from_step)
     at = resumed["stream"]
+    skips = at.get("skips") or [at.get("skip", 0)] * cfg.train.num_workers
+    again = [audit_records(cfg, 1, rank)[-1]["bytes_read_again"] for rank in range(cfg.train.num_workers)]
     return {
         "from_step": from_step,
         "position": at,
         "rows_before_resume_row": at["row"],
-        "rows_skipped_per_rank": at["skips"],
-        "rows_again": at["row"] + sum(at["skips"]),
+        "rows_skipped_per_rank": skips,
+        "rows_left_unread": at["row"] + sum(skips),
+        "bytes_read_again_per_rank": again,
+        "bytes_read_again": sum(again),
     }
 
 

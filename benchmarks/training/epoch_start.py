@@ -37,7 +37,7 @@ def read(parts, starts: list[dict]) -> tuple[list[tuple[float, int]], list[list[
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
     ray.get(actor.set_stream_start.remote(starts[0]))
-    splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
+    splits = data_config().configure({"train": train_stream(parts, actor)}, 2, None, None)
     arrivals: list[tuple[float, int]] = []
     seen: list[list[str]] = [[], []]
     barrier = threading.Barrier(2)

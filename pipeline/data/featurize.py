@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from griffin.target import TargetAdapter
@@ -178,8 +179,9 @@ class PartWriter(PartActor):
 
 class PartFeatures(PartActor):
     """Online training's Ray Data actor: one planned part per call -> the part's rows with their
-    features, the table a part file would hold (nothing is written). Rows with non-finite features
-    are dropped, as featurize drops them from the store."""
+    features, the table a part file would hold (nothing is written), and each row's ``train_index``
+    when the part says which of its training rows it holds (``pipeline.train.inputs.packed_part``).
+    Rows with non-finite features are dropped, as featurize drops them from the store."""
 
     def __init__(self, target: dict[str, Any], dtype: str, batch_tokens: int, fingerprint: dict, layers=()):
         self.featurizer = Featurizer(target, dtype, batch_tokens, tuple(layers))
@@ -188,7 +190,21 @@ class PartFeatures(PartActor):
 
     def __call__(self, batch: dict[str, np.ndarray]):
         assert len(batch["lengths"]) == 1, "one part per call (batch_size=1): a part is one block"
-        return carry(featurize_part(self.featurizer, unpack_part(batch, 0), self.dtype)[0], batch)
+        if not len(batch["lengths"][0]):  # a resume's part whose every row the ranks had trained on
+            return carry(self._no_rows(), batch)
+        table, rows = featurize_part(self.featurizer, unpack_part(batch, 0), self.dtype)
+        if "train_index" in batch:
+            index = np.asarray(batch["train_index"][0], np.int64)[rows["error"] == ""]
+            table = table.append_column("train_index", pa.array(index, pa.int64()))
+        return carry(table, batch)
+
+    def _no_rows(self) -> pa.Table:
+        """A part table of no rows, with ``train_index``."""
+        names = ("sample_id", "input_ids", "loss_mask", "hidden", "scales", "layers", "layer_scales")
+        table = part_table(
+            dict.fromkeys(names, []), self.dtype, self.featurizer.target.hidden_size, self.featurizer.layers
+        )
+        return table.append_column("train_index", pa.array([], pa.int64()))
 
 
 def unpack_part(batch: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:

@@ -184,19 +184,41 @@ def root_cause(error: BaseException) -> str:
     return f"{found[1]}: {found[2][:300]}" if found else f"{type(error).__name__}: {text[:300]}"
 
 
-# A read item's place in a training stream (pipeline.train.stream), carried onto its part's rows by
-# whatever makes them (a read task, a target actor), so that the rows say which item they came from.
-CARRIED = ("stream_epoch", "stream_part", "stream_from")
+# A read item's place in a training stream (pipeline.train.stream): its epoch, part, first stream row
+# and the part's training row count, carried onto its part's rows by whatever makes them (a read task,
+# a target actor), so that the rows say which item they came from.
+CARRIED = ("stream_epoch", "stream_part", "stream_from", "stream_count")
+
+
+def empty_rows(schema: Any, count: int) -> Any:
+    """``count`` rows of ``schema`` holding nothing (empty strings, lists and bytes, zeros): a stream
+    slot whose row is not read (``pipeline.train.stream``), its ``seq_len`` 0."""
+    import pyarrow as pa
+
+    def nothing(kind: Any) -> Any:
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            return []
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            return ""
+        if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+            return b""
+        return 0
+
+    return pa.table({f.name: pa.array([nothing(f.type)] * count, f.type) for f in schema}, schema=schema)
 
 
 def carry(table: Any, item: dict[str, Any]) -> Any:
     """``table`` (Arrow) with the ``CARRIED`` values of ``item`` (a batch of one) as constant columns;
-    ``table`` unchanged when the item carries none (featurize's parts)."""
+    ``table`` unchanged when the item carries none (featurize's parts). An empty table gets one empty
+    row (``empty_rows``) to carry them: an item whose rows are all left unread still says where it is."""
     import numpy as np
     import pyarrow as pa
 
     table = table.drop_columns([c for c in CARRIED if c in table.column_names])
+    if not any(name in item for name in CARRIED):
+        return table
+    if not table.num_rows:
+        table = empty_rows(table.schema, 1)
     for name in CARRIED:
-        if name in item:
-            table = table.append_column(name, pa.array(np.full(table.num_rows, int(item[name][0]), np.int64)))
+        table = table.append_column(name, pa.array(np.full(table.num_rows, int(item[name][0]), np.int64)))
     return table

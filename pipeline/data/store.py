@@ -145,7 +145,6 @@ def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
     """Write ``table`` as ``<store>/<name>`` under a temporary dot-name, then rename it into
     place; returns the manifest entry (rows, tokens, bytes, sha256)."""
     fs, root = location_fs(store)
-    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     with _staged(fs, root, name) as tmp:
         with fs.open_output_stream(tmp) as sink:
             pq.write_table(
@@ -154,7 +153,9 @@ def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
                 compression={k: v for k, v in _COMPRESSION.items() if k.split(".")[0] in table.column_names},
                 use_dictionary=["sample_id"],
                 write_statistics=["sample_id", "seq_len"],
-                row_group_size=max(1, (64 << 20) // row_bytes),
+                # a row group a row: a resumed training stream reads only the rows it has not trained on
+                # (pipeline.train.inputs.read_part); a row is KBs to MBs of features, its footer entry ~100 B a column
+                row_group_size=1,
             )
         return {
             "file": name,

@@ -14,7 +14,7 @@ round robin, so a rank reads ~1/world of the rows). ``ShardFeed`` turns a shard 
   the same order on every attempt, and a rank's micro-batches are a function of its rows alone. A
   checkpoint's data position holds every rank's place (the round of its block and the row in it):
   a resumed stage starts its stream at rank 0's block of the furthest-behind rank's round, and each
-  rank skips exactly the rows it had trained on.
+  rank skips exactly the rows it had trained on, which the stream leaves empty (never read again).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -76,15 +78,24 @@ def shard_rows(shard, feed: "ShardFeed") -> Iterator[dict]:
     """One execution of a Ray Data shard of the stage's stream as rows (views on its Arrow blocks), each
     with its ``epoch``, its block's ``round`` (the rank's n-th block of the execution: the stream's
     block n * world + rank) and its ``offset`` in the block; ``feed.received`` counts each block and
-    keeps its place (the (epoch, part, row) of its first row)."""
+    keeps its place (the (epoch, part, row) of its first row). Empty rows (a stream row not read,
+    ``pipeline.train.stream.shape_part``) hold their place in the blocks and are not given, nor are
+    the rows this rank trained on before (its first ``feed.skip``, which the stream leaves empty)."""
     for table in shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
         if not table.num_rows:
             continue
         epochs = table["epoch"].to_numpy()
-        block = feed.received(epochs, table.nbytes, {key: int(table[key][0].as_py()) for key in POSITION})
+        block = feed.received(epochs, table, {key: int(table[key][0].as_py()) for key in POSITION})
+        first = max(0, feed.skip - block * ROWS_PER_BLOCK)  # the block's first row this rank has not trained on
         for offset, (row, epoch) in enumerate(zip(table_rows(table), epochs)):
-            row.update(epoch=int(epoch), round=block, offset=offset)  # table_rows makes a new dict per row
-            yield row
+            if offset >= first and row["seq_len"]:
+                row.update(epoch=int(epoch), round=block, offset=offset)  # table_rows makes a new dict per row
+                yield row
+
+
+def taken_slots(row: dict) -> int:
+    """How many of its share's rows (by place, empty ones too) a rank has taken with ``row``."""
+    return row["round"] * ROWS_PER_BLOCK + row["offset"] + 1
 
 
 # How many rows of an execution a rank may take beyond the furthest-behind rank before it packs fewer
@@ -145,14 +156,18 @@ class ShardFeed:
         self.collective = collective or (HostCollective(world) if world > 1 else None)
         self.block_bytes: list[int] = []  # bytes of every block this rank received, this attempt
         self.per_epoch: dict[int, dict[str, int]] = {}  # rows and bytes received of each epoch, this attempt
+        self.read_again = 0  # bytes of rows trained on before an execution's start that it read again, this attempt
         self._open(start)
 
     def _open(self, start: dict[str, Any]) -> None:
-        """Start an execution at ``start``: rank 0 says where, every rank waits for that, then skips the
-        rows it trained on before (its own count: ranks take rows at their own pace). A rank that had
-        read its share to the end finds it used up at its next ``take``, as it would have."""
+        """Start an execution at ``start``: rank 0 says where, every rank waits for that. Each rank's
+        first rows there, the ones it trained on before (its own count: ranks take rows at their own
+        pace), come empty and are passed over (``shard_rows``). A rank that had read its share to the
+        end finds it used up at its next ``take``, as it would have."""
         import ray
 
+        skips = start.get("skips") or [start.get("skip", 0)] * self.world  # "skip": lockstep checkpoints
+        start = {**start, "skips": skips}
         if self.rank == 0:
             ray.get(self.stream_start.set_stream_start.remote(start))
         if self.collective is not None:
@@ -161,19 +176,16 @@ class ShardFeed:
             self.close()  # the execution before, which this rank leaves unfinished
         self.start, self.steps_taken, self._ahead = start, 0, []
         self.places: list[dict[str, int]] = []  # the place of each block of this execution, by round
+        self.skip = skips[self.rank]  # the rows of its share it trained on before: the stream leaves them empty
         self._rows = shard_rows(self.shard, self)
-        skips = start.get("skips") or [start.get("skip", 0)] * self.world  # "skip": lockstep checkpoints
-        ended = start.get("ended") or [False] * self.world  # ranks whose share was read to its end
-        for _ in range(skips[self.rank]):
-            if next(self._rows, None) is None:
-                if ended[self.rank]:
-                    break
-                raise ValueError(f"resume position {start} is past the end of rank {self.rank}'s rows")
         # rows taken since the execution's first round, and how many beyond DRIFT_ROWS this rank is ahead
         self.taken, self.excess = skips[self.rank], max(0, skips[self.rank] - min(skips) - DRIFT_ROWS)
 
-    def received(self, epochs: np.ndarray, nbytes: int, place: dict[str, int]) -> int:
-        """Count a block as it arrives; its round."""
+    def received(self, epochs: np.ndarray, table: pa.Table, place: dict[str, int]) -> int:
+        """Count a block as it arrives (and the rows in it this rank trained on before that came with
+        their features: none, the stream leaves them empty); its round."""
+        nbytes, trained = table.nbytes, table.slice(0, max(0, self.skip - len(self.places) * ROWS_PER_BLOCK))
+        self.read_again += trained.filter(pc.greater(trained["seq_len"], 0)).nbytes
         self.block_bytes.append(nbytes)
         for epoch, rows in zip(*np.unique(epochs, return_counts=True)):
             seen = self.per_epoch.setdefault(int(epoch), {"epoch": int(epoch), "rows": 0, "bytes": 0})
@@ -220,7 +232,7 @@ class ShardFeed:
         the step, every rank starts the next execution and takes the step there. One all-reduce a step
         carries that flag and the rows the furthest-behind rank has taken."""
         step = self._pack(count)
-        used_up, taken = len(step) < count, self.taken + sum(map(len, step))
+        used_up, taken = len(step) < count, taken_slots(step[-1][-1]) if step else self.taken
         fresh = self.steps_taken == 0 and self.start["part"] is None  # an execution from an epoch's start
         worst, behind = self._most([2 if used_up and fresh else int(used_up), -taken])
         if worst == 2:
@@ -248,7 +260,7 @@ class ShardFeed:
         first = min(block for block, _, _ in ranks)
         skips = [(block - first) * ROWS_PER_BLOCK + offset for block, offset, _ in ranks]
         place = self.places[first] if self.rank == 0 else {}
-        return {**place, "skips": skips, "ended": [bool(at_end) for _, _, at_end in ranks], "end": self.start["end"]}
+        return {**place, "skips": skips, "end": self.start["end"]}
 
     def close(self) -> None:
         """End this rank's reading of the execution (Ray Data's iterator tells its split it is done)

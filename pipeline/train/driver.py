@@ -302,7 +302,7 @@ def _stored_data(cfg: RunConfig, target) -> dict[str, Any]:
         "sample_ids": sample_ids,
         "tokens": lambda: store_tokens(cfg.store_path),
         "inputs": lambda eval_ids: (
-            stored_parts(part_ids, key["dtype"], layers, eval_ids),
+            stored_parts(part_ids, key["dtype"], layers, eval_ids, cfg.train.seed),
             stored_eval(part_ids, key["dtype"], layers, eval_ids),
         ),
         "mean_length": tokens / max(len(sample_ids), 1),
@@ -354,7 +354,7 @@ def _inputs(cfg: RunConfig, data: dict[str, Any], eval_ids: set[str]) -> dict[st
 def _stage_datasets(cfg: RunConfig, inputs: dict[str, Any], start) -> dict[str, Any]:
     """The stage's ``train`` stream (its executions start where ``start``, the stage's ``StageChannel``, says)
     and the held-out dataset."""
-    train = train_stream(inputs["parts"], cfg.train.seed, start)
+    train = train_stream(inputs["parts"], start)
     return {"train": train, **({"eval": inputs["eval"]} if inputs["eval"] is not None else {})}
 
 

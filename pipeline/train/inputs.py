@@ -20,6 +20,7 @@ stream then reads the held blocks, so ranks receive exactly the rows a streamed 
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ import pyarrow.compute as pc
 from pipeline.config import RunConfig
 from pipeline.data.heldout import heldout_parts
 from pipeline.data.part_files import parts_dataset
-from pipeline.data.parts import carry
+from pipeline.data.parts import CARRIED, carry
 from pipeline.runtime import describe_shortfall, resource_shortfall
 
 BASE_COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden")
@@ -84,34 +85,61 @@ def reblock(dataset):
 class TrainParts:
     """A stage's training parts, by index into the stage's part list (the store's parts holding training
     rows in read order, or the training groups featurize would write, in plan order: the same list
-    either way). ``tables(items)`` turns a dataset of read items (``CARRIED`` columns: epoch, part,
-    first row) into each item's whole part as one table, the item's columns carried onto its rows;
-    ``held_out``: ids to drop from the parts (rows of a part that mixes both)."""
+    either way), shuffled from ``seed`` (``train.seed``). ``counts``: each part's training rows (a
+    stored part's rows less its held-out ones, a planned part's samples), from which the stream lays
+    out its rows (``pipeline.train.stream``).
+    ``tables(items)`` turns a dataset of read items (``CARRIED`` columns, ``stream_skip``) into each
+    item's rows of its part (``needed_rows``) as one table, a ``train_index`` column naming each row's
+    place among the part's training rows, the item's columns carried onto its rows."""
 
-    def __init__(self, count: int, tables, held_out: list[str], holds: Any = None):
-        self.count, self.tables, self.held_out = count, tables, held_out
+    def __init__(self, counts: list[int], seed: int, tables, holds: Any = None):
+        self.counts, self.seed, self.tables = list(counts), seed, tables
         self.holds = holds  # what keeps materialized blocks alive for as long as these parts are read
 
+    @property
+    def count(self) -> int:
+        return len(self.counts)
 
-def stored_parts(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str]) -> TrainParts:
+
+def part_order(seed: int, epoch: int, part: int, count: int) -> list[int]:
+    """The order in which epoch ``epoch`` reads part ``part``'s ``count`` training rows (by index)."""
+    order = list(range(count))
+    random.Random(f"rows-{seed}-{epoch}-{part}").shuffle(order)
+    return order
+
+
+def needed_rows(item: dict[str, np.ndarray], seed: int) -> list[int] | None:
+    """The training rows (indices, ascending) an item's stream rows hold: from its first stream row on,
+    less the rows every rank skips (``stream_skip``, stream rows of a resume); None when that is all."""
+    epoch, part, first, count = (int(item[name][0]) for name in CARRIED)
+    skip = {int(k) for k in str(item["stream_skip"][0]).split(",") if k}
+    if not first and not skip:
+        return None
+    order = part_order(seed, epoch, part, count)
+    return sorted(order[k] for k in range(first, count) if k not in skip)
+
+
+def stored_parts(
+    part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str], seed: int = 0
+) -> TrainParts:
     """The store's parts that hold training rows (``pipeline.data.heldout.heldout_parts``), a read task
-    per part, only the columns the draft reads."""
+    per part, only the columns the draft reads, only the rows the stream asks for (``needed_rows``)."""
     _, files = heldout_parts(part_ids, eval_ids)
     mixed = sorted(i for f in files for i in part_ids[f] if i in eval_ids)
     columns = feature_columns(dtype, layers)
+    counts = [sum(i not in eval_ids for i in part_ids[f]) for f in files]
 
     def tables(items):
-        return items.map_batches(
-            read_part, batch_size=1, batch_format="numpy", fn_kwargs={"files": files, "columns": columns}
-        )
+        kwargs = {"files": files, "columns": columns, "held_out": mixed, "seed": seed}
+        return items.map_batches(read_part, batch_size=1, batch_format="numpy", fn_kwargs=kwargs)
 
-    return TrainParts(len(files), tables, mixed)
+    return TrainParts(counts, seed, tables)
 
 
 def online_parts(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: set[str]) -> tuple[TrainParts, Any]:
     """The training parts ``griffin featurize`` would write (same grouping and order), their features
-    computed by the target actors as they are read, and the held-out dataset alike: no held-out row is
-    featurized for training."""
+    computed by the target actors as they are read (only the rows the stream asks for), and the
+    held-out dataset alike: no held-out row is featurized for training."""
     import ray
 
     from pipeline.data.featurize import PartFeatures, group_parts, pack_part, target_part
@@ -126,15 +154,17 @@ def online_parts(cfg: RunConfig, key: dict[str, Any], samples: list, eval_ids: s
         fingerprint=target_part(key),
         layers=tuple(layers),
     )
-    train = [pack_part(p) for g in groups if (p := [s for s in g if s.sample_id not in eval_ids])]
+    train = [p for g in groups if (p := [s for s in g if s.sample_id not in eval_ids])]
     held = [pack_part(p) for g in groups if (p := [s for s in g if s.sample_id in eval_ids])]
-    packed = [ray.put(part) for part in train]  # read by index as the stream asks for each part
+    packed = [ray.put(pack_part(part)) for part in train]  # read by index as the stream asks for each part
 
     def tables(items):
-        items = items.map_batches(packed_part, batch_size=1, batch_format="numpy", fn_kwargs={"packed": packed})
+        items = items.map_batches(
+            packed_part, batch_size=1, batch_format="numpy", fn_kwargs={"packed": packed, "seed": cfg.train.seed}
+        )
         return part_actor_dataset(cfg, PartFeatures, items, kwargs)
 
-    parts = TrainParts(len(train), tables, [], holds=packed)
+    parts = TrainParts([len(p) for p in train], cfg.train.seed, tables, holds=packed)
     return parts, (reblock(part_actor_dataset(cfg, PartFeatures, held, kwargs)) if held else None)
 
 
@@ -239,46 +269,101 @@ def materialized_parts(parts: TrainParts) -> TrainParts:
     there by index for every epoch, restart and stage."""
     import ray
 
-    every = [{"stream_epoch": 0, "stream_part": i, "stream_from": 0} for i in range(parts.count)]
+    every = [whole_item(i, count) for i, count in enumerate(parts.counts)]
     base = parts.tables(ray.data.from_items(every, override_num_blocks=parts.count))
     base.context.target_max_block_size = None  # a part is one block
     held = materialize(base)
     blocks = [ref for bundle in held.iter_internal_ref_bundles() for ref in bundle.block_refs]
-    if len(blocks) != parts.count:  # a part left empty (every row non-finite) would shift the rest
+    if len(blocks) != parts.count:
         raise RuntimeError(
             f"materialized {len(blocks)} blocks for {parts.count} training parts; set train.materialize=false"
         )
 
     def tables(items):
-        return items.map_batches(held_part, batch_size=1, batch_format="numpy", fn_kwargs={"blocks": blocks})
+        kwargs = {"blocks": blocks, "seed": parts.seed}
+        return items.map_batches(held_part, batch_size=1, batch_format="numpy", fn_kwargs=kwargs)
 
-    return TrainParts(parts.count, tables, parts.held_out, holds=(held, blocks))
+    return TrainParts(parts.counts, parts.seed, tables, holds=(held, blocks))
 
 
-def read_part(item: dict[str, np.ndarray], files: list[str], columns: list[str]) -> pa.Table:
-    """The part file an item names, ``columns`` only, the item's place carried onto its rows."""
+def whole_item(part: int, count: int, epoch: int = 0) -> dict[str, Any]:
+    """A read item for every training row of a part (``CARRIED`` columns, nothing skipped)."""
+    return dict(zip(CARRIED, (epoch, part, 0, count)), stream_skip="")
+
+
+def read_part(item: dict[str, np.ndarray], files: list[str], columns: list[str], held_out: list[str], seed: int):
+    """The training rows of the part file an item names that its stream rows hold (``needed_rows``),
+    ``columns`` only, each with its ``train_index``, the item's place carried on. A resume's part is
+    read by row group (a row group a row: ``pipeline.data.store.write_part``), so the rows before its
+    resume row, and the ones every rank skips, are not read."""
     import pyarrow.parquet as pq
 
-    return carry(pq.read_table(files[int(item["stream_part"][0])], columns=columns), item)
+    from pipeline.data.part_files import location_fs
+
+    fs, path = location_fs(files[int(item["stream_part"][0])])
+    with fs.open_input_file(path) as source:
+        parquet = pq.ParquetFile(source)
+        train = _training_rows(parquet, held_out)  # (n,) file row of each training row
+        needed = needed_rows(item, seed)
+        if needed is None:
+            table, index = parquet.read(columns=columns), np.arange(len(train))
+            table = table if len(train) == table.num_rows else table.take(pa.array(train))
+        else:
+            table, index = _read_rows(parquet, train[needed], columns), np.asarray(needed, np.int64)
+    return carry(table.append_column("train_index", pa.array(index, pa.int64())), item)
 
 
-def held_part(item: dict[str, np.ndarray], blocks: list[Any]) -> pa.Table:
-    """The materialized part an item names, the item's place carried onto its rows."""
+def _training_rows(parquet, held_out: list[str]) -> np.ndarray:
+    """The file rows of a part's training rows: every row, less the held-out ones of a mixed part
+    (found from the sample id column alone)."""
+    rows = np.arange(parquet.metadata.num_rows, dtype=np.int64)
+    if not held_out:
+        return rows
+    ids = parquet.read(columns=["sample_id"])
+    return rows[~pc.is_in(ids["sample_id"], value_set=pa.array(held_out, pa.string())).to_numpy(False)]
+
+
+def _read_rows(parquet, rows: np.ndarray, columns: list[str]) -> pa.Table:
+    """File rows ``rows`` (ascending) of a part, reading only the row groups that hold them."""
+    if not len(rows):
+        return parquet.schema_arrow.empty_table().select(columns)
+    sizes = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
+    first = np.concatenate([[0], np.cumsum(sizes)])  # (G+1,) the first file row of each group
+    group = np.searchsorted(first, rows, side="right") - 1  # (R,) the group of each row
+    groups = np.unique(group)  # (g,) the groups read, in file order
+    table = parquet.read_row_groups(groups.tolist(), columns=columns)
+    at = np.concatenate([[0], np.cumsum([sizes[g] for g in groups])])  # where each read group starts
+    return table.take(pa.array(at[np.searchsorted(groups, group)] + rows - first[group], pa.int64()))
+
+
+def held_part(item: dict[str, np.ndarray], blocks: list[Any], seed: int) -> pa.Table:
+    """The materialized part an item names, only the rows its stream rows hold, its place carried on."""
     import ray
 
-    return carry(ray.get(blocks[int(item["stream_part"][0])]), item)
+    table = ray.get(blocks[int(item["stream_part"][0])])
+    if (needed := needed_rows(item, seed)) is not None:
+        table = table.filter(pc.is_in(table["train_index"], value_set=pa.array(needed, pa.int64())))
+    return carry(table, item)
 
 
-def packed_part(item: dict[str, np.ndarray], packed: list[Any]) -> pa.Table:
-    """The planned part an item names, as one row for the target actors (``pack_part``'s columns), the
-    item's place carried on."""
+def packed_part(item: dict[str, np.ndarray], packed: list[Any], seed: int) -> pa.Table:
+    """The planned part an item names, only the samples its stream rows hold, as one row for the target
+    actors (``pack_part``'s columns, and each sample's ``train_index``), the item's place carried on."""
     import ray
 
     part = ray.get(packed[int(item["stream_part"][0])])
+    needed = needed_rows(item, seed)
+    index = np.arange(len(part["sample_id"])) if needed is None else np.asarray(needed, np.int64)
+    cuts = np.concatenate([[0], np.cumsum(part["lengths"])])
+    tokens = [np.arange(cuts[i], cuts[i + 1]) for i in index]
+    flat = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
     row = {
         "index": pa.array([part["index"]], pa.int64()),
-        "sample_id": pa.array([list(part["sample_id"])], pa.list_(pa.string())),
-        **{k: _one_list(part[k]) for k in ("lengths", "input_ids", "loss_mask")},
+        "sample_id": pa.array([[part["sample_id"][i] for i in index]], pa.list_(pa.string())),
+        "lengths": _one_list(np.asarray(part["lengths"])[index]),
+        "input_ids": _one_list(part["input_ids"][flat]),
+        "loss_mask": _one_list(part["loss_mask"][flat]),
+        "train_index": _one_list(index.astype(np.int64)),
     }
     return carry(pa.table(row), item)
 

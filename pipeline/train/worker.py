@@ -167,8 +167,8 @@ def _evaluate(draft, eval_set: list[tuple], cfg: RunConfig, world: int, bf16: bo
 
 def _audit(stage_dir: Path, rank: int, step: int, ids: list[list[str]], feed: ShardFeed) -> None:
     """The data audit trail: which samples each rank trained on at each step, on which node, the bytes
-    of the blocks it has read so far in this attempt, and the rows and bytes of each epoch it read to
-    the end."""
+    of the blocks it has read so far in this attempt (and of the rows in them it had trained on before
+    a resume: none come with their features), and the rows and bytes of each epoch it read to the end."""
     import ray
 
     record = {
@@ -176,6 +176,7 @@ def _audit(stage_dir: Path, rank: int, step: int, ids: list[list[str]], feed: Sh
         "node": ray.get_runtime_context().get_node_id(),
         "sample_ids": [s for b in ids for s in b],
         "bytes_read": sum(feed.block_bytes),
+        "bytes_read_again": feed.read_again,
         "epochs_read": feed.finished,
     }
     with open(stage_dir / f"data_rank{rank}.jsonl", "a") as log:

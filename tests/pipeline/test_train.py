@@ -287,7 +287,7 @@ def stream_ids(parts, start: dict, world: int = 2) -> list[list[tuple[int, str]]
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
     ray.get(actor.set_stream_start.remote(start))
-    splits = data_config().configure({"train": train_stream(parts, 0, actor)}, world, None, None)
+    splits = data_config().configure({"train": train_stream(parts, actor)}, world, None, None)
     seen: list[list[tuple[int, str]]] = [[] for _ in range(world)]
 
     def read(rank):  # every split must ask before the execution starts: the ranks read side by side
@@ -339,7 +339,7 @@ def test_a_part_is_shuffled_whole_however_large(store, monkeypatch):
     monkeypatch.setattr(ray.data.DataContext.get_current(), "target_max_block_size", 4096)  # a row or two
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
     ray.get(actor.set_stream_start.remote(first_start(0, 1)))
-    rows = list(train_stream(stored_parts(part_ids, dtype, False, set()), 0, actor).iter_rows())
+    rows = list(train_stream(stored_parts(part_ids, dtype, False, set()), actor).iter_rows())
     numbered: dict[int, list[int]] = {}
     for row in rows:
         numbered.setdefault(row["part"], []).append(row["row"])
@@ -390,7 +390,7 @@ def test_a_feed_crosses_executions_and_resumes_across_them(store):
 
     def batches(start: dict, count: int):
         actor = ray.remote(num_cpus=0)(StreamStart).remote()
-        (shard,) = data_config().configure({"train": train_stream(parts, 0, actor)}, 1, None, None)
+        (shard,) = data_config().configure({"train": train_stream(parts, actor)}, 1, None, None)
         feed = ShardFeed(shard["train"], 0, 1, "cpu", train, actor, start, epochs=1)
         return Prefetch(feed, hidden, "draft", False, count, 1)
 
@@ -446,7 +446,8 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
     """Two ranks (threads, agreeing as they do over gloo), each packing its own micro-batches from a
     stream sized for one epoch an execution: no rank runs more than DRIFT_ROWS and a micro-batch ahead
     of the other, and two feeds started at a position saved mid-run (after several switches, with a
-    rank held back) take exactly the steps the first two took next, on each rank; and a step a rank's
+    rank held back) take exactly the steps the first two took next, on each rank, reading none of the
+    rows they had trained on again; and a step a rank's
     share of an execution cannot fill is refused on both."""
     import threading
 
@@ -467,8 +468,9 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
 
     def run(start: dict, steps: int, micro: int = 1, epochs: int = 1):
         actor = ray.remote(num_cpus=0)(StreamStart).remote()
-        splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
+        splits = data_config().configure({"train": train_stream(parts, actor)}, 2, None, None)
         agree, taken, gaps, saved, errors = ThreadCollective.ranks(2), [[], []], [], {}, []
+        again = [0, 0]  # bytes each rank read of rows it had trained on
 
         def rank(r):
             try:
@@ -490,6 +492,7 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
                     saved[i] = at
                 taken[r].append(prefetch.next()[1][0])
                 gaps.append((feed.start["epoch"], i, r, feed.taken))
+            again[r] = feed.read_again
             prefetch.close()
 
         threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
@@ -498,6 +501,7 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
         ray.kill(actor)
         if failed := [e for e in errors if isinstance(e, BaseException)]:
             raise failed[0]
+        assert again == [0, 0]  # the rows a rank skips at a resume come empty
         return taken, gaps, saved, errors
 
     taken, gaps, saved, _ = run(first_start(0, 1), 24)
@@ -530,7 +534,7 @@ def places_of_rank0_blocks(parts, start: dict) -> list[dict]:
 
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
     ray.get(actor.set_stream_start.remote(start))
-    splits = data_config().configure({"train": train_stream(parts, 0, actor)}, 2, None, None)
+    splits = data_config().configure({"train": train_stream(parts, actor)}, 2, None, None)
     places: list[dict] = []
 
     def read(rank):
@@ -567,7 +571,7 @@ def test_held_out_rows_are_read_from_their_own_parts(store):
         if pure:
             assert sum(len(parts[f]) for f in held) == len(eval_ids) == 8
         evaluated = [r["sample_id"] for r in stored_eval(parts, "bf16", False, eval_ids).iter_rows()]
-        stream = train_stream(stored_parts(parts, "bf16", False, eval_ids), 0, actor)
+        stream = train_stream(stored_parts(parts, "bf16", False, eval_ids), actor)
         trained = [r["sample_id"] for r in stream.iter_rows()]
         assert sorted(evaluated) == sorted(eval_ids) and sorted(trained) == sorted(set(ids) - eval_ids)
     ray.kill(actor)
@@ -700,3 +704,112 @@ def test_online_features_train_the_same_weights_as_the_store(store, schedule_run
     provenance = json.loads((Path(summary["best"]) / "config.json").read_text())["provenance"]
     assert provenance["features"] == "online" and provenance["store"] is None
     assert not (online.run_dir / "features").exists()
+
+
+def resumed_rows(parts, start: dict) -> list[dict]:
+    """The rows of ``parts``' stream started at ``start``, unsplit: (epoch, part, row), id, features."""
+    import ray
+
+    from pipeline.train.stream import StreamStart, train_stream
+
+    actor = ray.remote(num_cpus=0)(StreamStart).remote()
+    ray.get(actor.set_stream_start.remote(start))
+    stream = train_stream(parts, actor)
+    stream.context.execution_options.preserve_order = True  # as training reads it (data_config)
+    rows = [
+        {k: row[k] for k in ("epoch", "part", "row", "sample_id", "seq_len", "hidden")} for row in stream.iter_rows()
+    ]
+    ray.kill(actor)
+    return rows
+
+
+def test_a_resumed_stream_reads_no_row_a_rank_trained_on(store):
+    """A resume's stream, read from the store or featurized online, holds every row from its place on
+    where it was, but leaves empty (not read, not featurized) the rows of its first part before its
+    row and the rows each rank trained on (its first ``skips[rank]`` rows); online and offline alike."""
+    from pipeline.data.featurize import prepare_samples
+    from pipeline.data.heldout import held_out_ids, store_part_ids
+    from pipeline.resources.targets import load_target
+    from pipeline.train.inputs import ROWS_PER_BLOCK, materialized_parts, online_parts, packed_part, stored_parts
+    from pipeline.train.stream import first_start
+
+    _, _, store_path = store
+    part_ids = store_part_ids(store_path)
+    eval_ids = held_out_ids([i for ids in part_ids.values() for i in ids], 0.2)
+    offline = stored_parts(part_ids, "bf16", False, eval_ids)
+    whole = resumed_rows(offline, first_start(0, 2))
+    first = next(i for i in range(20, len(whole)) if whole[i]["row"] > 0)  # inside a part
+    at = whole[first]
+    assert len(whole) > first + 2 * ROWS_PER_BLOCK
+    # rank 0 skips its first block (a part or more, left unread whole) and 3 rows of its second
+    start = {"epoch": 0, "part": at["part"], "row": at["row"], "skips": [ROWS_PER_BLOCK + 3, 5], "end": 2}
+    cfg = train_cfg(store, "online-resume", "train.features=online", "train.seed=0", "data.limit=null")
+    key, samples, _ = prepare_samples(cfg, load_target(cfg.target))
+    online, _ = online_parts(cfg, key, samples, eval_ids)
+    count = online.counts[at["part"]]
+    assert count - at["row"] <= ROWS_PER_BLOCK  # the first part: every row skipped, none featurized
+    item = {"stream_epoch": [0], "stream_part": [at["part"]], "stream_from": [at["row"]], "stream_count": [count]}
+    packed = packed_part({**item, "stream_skip": [str(at["row"])]}, online.holds, 0)  # what the target actors get
+    assert len(packed["sample_id"][0]) == len(packed["lengths"][0]) == count - at["row"] - 1
+    assert sum(packed["lengths"][0].as_py()) == len(packed["input_ids"][0])
+    for parts in (offline, materialized_parts(offline), online):
+        rows = resumed_rows(parts, start)
+        assert [(r["part"], r["row"]) for r in rows] == [(r["part"], r["row"]) for r in whole[first:]]
+        for slot, (row, was) in enumerate(zip(rows, whole[first:])):
+            block, within = divmod(slot, ROWS_PER_BLOCK)
+            trained = (block // 2) * ROWS_PER_BLOCK + within < start["skips"][block % 2]
+            assert (row["seq_len"] == 0) == trained, slot
+            if not trained:
+                assert (row["sample_id"], bytes(row["hidden"])) == (was["sample_id"], bytes(was["hidden"]))
+
+
+def test_a_resumed_part_reads_only_the_row_groups_of_its_rows(tmp_path, monkeypatch):
+    """A row group a row (``write_part``): the read task of a resume's first part reads the file's
+    footer and the row groups of its rows, not the rows before them nor the skipped ones."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from pipeline.data import part_files
+    from pipeline.data.store import part_table, write_part
+    from pipeline.train.inputs import needed_rows, read_part
+
+    count, tokens, hidden = 8, 64, 1024  # 128 KiB of features a row, past the 64 KiB footer read
+    noise = np.random.default_rng(0)
+    rows = {
+        "sample_id": [f"s{i}" for i in range(count)],
+        "input_ids": [np.arange(tokens, dtype=np.int32)] * count,
+        "loss_mask": [np.ones(tokens, np.uint8)] * count,
+        "hidden": [noise.bytes(tokens * hidden * 2) for _ in range(count)],
+    }
+    write_part(str(tmp_path), "part-0.parquet", part_table(rows, "bf16", hidden))
+    path = str(tmp_path / "part-0.parquet")
+    read: list[int] = []
+
+    class Counted(pafs.LocalFileSystem):
+        def open_input_file(self, path):
+            source = open(path, "rb")
+            original = source.read
+
+            def counted(*args):
+                data = original(*args)
+                read.append(len(data))
+                return data
+
+            source.read = counted
+            return pa.PythonFile(source, mode="r")
+
+    monkeypatch.setattr(part_files, "location_fs", lambda location: (Counted(), location))
+    item = {"stream_epoch": [0], "stream_part": [0], "stream_from": [2], "stream_count": [count], "stream_skip": ["3"]}
+    columns = ["sample_id", "input_ids", "loss_mask", "seq_len", "hidden"]
+    table = read_part(item, [path], columns, [], seed=0)
+    needed = needed_rows(item, 0)
+    assert table["train_index"].to_pylist() == needed and len(needed) == count - 3
+    assert table["sample_id"].to_pylist() == [f"s{i}" for i in needed]
+    meta = pq.ParquetFile(path).metadata
+    group = [
+        sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns)) for g in range(count)
+    ]
+    assert meta.num_row_groups == count
+    assert sum(read) <= sum(group[g] for g in needed) + (64 << 10) < sum(group)
