@@ -120,7 +120,7 @@ def resume_recomputed(cfg, steps: list[int]) -> dict:
     restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     from_step = steps[restart] - 1
     if from_step == 0:
-        return {"from_step": 0, "rows_again": None, "why": "no checkpoint had reached Ray Train: started over"}
+        return {"from_step": 0, "bytes_read_again": None, "why": "no checkpoint had reached Ray Train: started over"}
     run = cfg.run_dir / "ray_train" / f"{cfg.run_name}-stage1"
     saved = [
         torch.load(p / TRAIN_STATE, weights_only=True) for p in run.glob("checkpoint_*") if (p / TRAIN_STATE).exists()

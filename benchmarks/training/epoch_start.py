@@ -80,7 +80,7 @@ def epoch_starts(parts, spanning: bool) -> tuple[list[float], list[list[str]]]:
 def measure(part_ids: dict[str, list[str]], eval_ids: set[str]) -> dict:
     from pipeline.train.inputs import materialized_parts, stored_parts
 
-    files = stored_parts(part_ids, "bf16", False, eval_ids)
+    files = stored_parts(part_ids, "bf16", False, eval_ids, 0)
     start = time.perf_counter()
     held = materialized_parts(files)
     held_s = round(time.perf_counter() - start, 2)

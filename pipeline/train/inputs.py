@@ -119,9 +119,7 @@ def needed_rows(item: dict[str, np.ndarray], seed: int) -> list[int] | None:
     return sorted(order[k] for k in range(first, count) if k not in skip)
 
 
-def stored_parts(
-    part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str], seed: int = 0
-) -> TrainParts:
+def stored_parts(part_ids: dict[str, list[str]], dtype: str, layers: bool, eval_ids: set[str], seed: int) -> TrainParts:
     """The store's parts that hold training rows (``pipeline.data.heldout.heldout_parts``), a read task
     per part, only the columns the draft reads, only the rows the stream asks for (``needed_rows``)."""
     _, files = heldout_parts(part_ids, eval_ids)
@@ -304,6 +302,11 @@ def read_part(item: dict[str, np.ndarray], files: list[str], columns: list[str],
     with fs.open_input_file(path) as source:
         parquet = pq.ParquetFile(source)
         train = _training_rows(parquet, held_out)  # (n,) file row of each training row
+        if len(train) != int(item["stream_count"][0]):  # the stream's places would not be this file's rows
+            raise RuntimeError(
+                f"{path} holds {len(train)} training rows where the stage counted {int(item['stream_count'][0])}: "
+                "the store changed while it trained; run the stage again"
+            )
         needed = needed_rows(item, seed)
         if needed is None:
             table, index = parquet.read(columns=columns), np.arange(len(train))

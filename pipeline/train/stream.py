@@ -121,7 +121,7 @@ def shape_part(table: pa.Table, seed: int) -> pa.Table:
     the item's first stream row on; a stream row whose row was not read (every rank skips it) or not
     made (online: non-finite features) holds an empty row (``empty_rows``)."""
     epoch, part, first, count = (table[name][0].as_py() for name in CARRIED)
-    real = pc.greater(table["seq_len"], 0)  # carry's row for an item with no rows read is empty
+    real = pc.greater(table["seq_len"], 0)  # not carry's empty row (no sample has 0 tokens: tokenizing skips them)
     where = dict(zip(table["train_index"].filter(real).to_pylist(), np.flatnonzero(real.to_numpy(False)).tolist()))
     table = table.drop_columns([*CARRIED, "train_index"])
     table = pa.concat_tables([table, empty_rows(table.schema, 1)])

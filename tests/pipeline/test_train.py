@@ -313,7 +313,7 @@ def test_the_stream_deals_every_training_row_once_an_epoch_in_a_new_order(store)
     _, _, store_path = store
     part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
     eval_ids = held_out_ids([i for ids in part_ids.values() for i in ids], 0.2)
-    parts = stored_parts(part_ids, dtype, False, eval_ids)
+    parts = stored_parts(part_ids, dtype, False, eval_ids, 0)
     ranks = stream_ids(parts, first_start(0, 2))
     train_ids = sorted({i for ids in part_ids.values() for i in ids} - eval_ids)
     for epoch in (0, 1):
@@ -339,7 +339,7 @@ def test_a_part_is_shuffled_whole_however_large(store, monkeypatch):
     monkeypatch.setattr(ray.data.DataContext.get_current(), "target_max_block_size", 4096)  # a row or two
     actor = ray.remote(num_cpus=0)(StreamStart).remote()
     ray.get(actor.set_stream_start.remote(first_start(0, 1)))
-    rows = list(train_stream(stored_parts(part_ids, dtype, False, set()), actor).iter_rows())
+    rows = list(train_stream(stored_parts(part_ids, dtype, False, set(), 0), actor).iter_rows())
     numbered: dict[int, list[int]] = {}
     for row in rows:
         numbered.setdefault(row["part"], []).append(row["row"])
@@ -360,7 +360,7 @@ def test_a_stream_started_at_a_block_deals_every_rank_what_it_would_have_read(st
 
     _, _, store_path = store
     part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
-    parts = stored_parts(part_ids, dtype, False, set())
+    parts = stored_parts(part_ids, dtype, False, set(), 0)
     whole = stream_ids(parts, first_start(0, 3))
     places = places_of_rank0_blocks(parts, first_start(0, 3))
     assert all(places[block]["row"] > 0 for block in (1, 3))  # both inside a part: its rows from there on
@@ -384,7 +384,7 @@ def test_a_feed_crosses_executions_and_resumes_across_them(store):
 
     root, data, store_path = store
     part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
-    parts = stored_parts(part_ids, dtype, False, set())
+    parts = stored_parts(part_ids, dtype, False, set(), 0)
     train = load_config("jobs/configs/tiny.yaml", ["train.batch_tokens=256"]).train
     hidden = read_manifest(store_path)["capture_key"]["hidden_size"]
 
@@ -462,7 +462,7 @@ def test_two_ranks_pack_their_own_rows_within_a_drift_and_resume_exactly(store, 
     monkeypatch.setattr(batches, "DRIFT_ROWS", 0)  # any gap: this small stream barely drifts
     _, _, store_path = store
     part_ids, dtype = store_part_ids(store_path), read_manifest(store_path)["capture_key"]["dtype"]
-    parts = stored_parts(part_ids, dtype, False, set())
+    parts = stored_parts(part_ids, dtype, False, set(), 0)
     train = load_config("jobs/configs/tiny.yaml", ["train.batch_tokens=256"]).train
     hidden = read_manifest(store_path)["capture_key"]["hidden_size"]
 
@@ -571,7 +571,7 @@ def test_held_out_rows_are_read_from_their_own_parts(store):
         if pure:
             assert sum(len(parts[f]) for f in held) == len(eval_ids) == 8
         evaluated = [r["sample_id"] for r in stored_eval(parts, "bf16", False, eval_ids).iter_rows()]
-        stream = train_stream(stored_parts(parts, "bf16", False, eval_ids), actor)
+        stream = train_stream(stored_parts(parts, "bf16", False, eval_ids, 0), actor)
         trained = [r["sample_id"] for r in stream.iter_rows()]
         assert sorted(evaluated) == sorted(eval_ids) and sorted(trained) == sorted(set(ids) - eval_ids)
     ray.kill(actor)
@@ -736,7 +736,7 @@ def test_a_resumed_stream_reads_no_row_a_rank_trained_on(store):
     _, _, store_path = store
     part_ids = store_part_ids(store_path)
     eval_ids = held_out_ids([i for ids in part_ids.values() for i in ids], 0.2)
-    offline = stored_parts(part_ids, "bf16", False, eval_ids)
+    offline = stored_parts(part_ids, "bf16", False, eval_ids, 0)
     whole = resumed_rows(offline, first_start(0, 2))
     first = next(i for i in range(20, len(whole)) if whole[i]["row"] > 0)  # inside a part
     at = whole[first]
