@@ -154,7 +154,8 @@ def write_part(store: str, name: str, table: pa.Table) -> dict[str, Any]:
                 use_dictionary=["sample_id"],
                 write_statistics=["sample_id", "seq_len"],
                 # a row group a row: a resumed training stream reads only the rows it has not trained on
-                # (pipeline.train.inputs.read_part); a row is KBs to MBs of features, its footer entry ~100 B a column
+                # (pipeline.train.inputs.read_part); a row is KBs to MBs of features, its footer entry ~80 B a
+                # column (benchmarks/featurize/row_groups.md)
                 row_group_size=1,
             )
         return {

@@ -118,8 +118,8 @@ def skipped_rows(items: list[dict[str, Any]], skips: list[int]) -> dict[int, lis
 def shape_part(table: pa.Table, seed: int) -> pa.Table:
     """A part's rows as the stream gives them (its read item's ``CARRIED`` columns on its rows, each
     row's ``train_index``): in the part's order from (seed, epoch, part), numbered in that order, from
-    the item's first stream row on; a stream row whose row was not read (every rank skips it) or not
-    made (online: non-finite features) holds an empty row (``empty_rows``)."""
+    the item's first stream row on; a stream row whose row was not read (the rank it goes to had
+    trained on it) or not made (online: non-finite features) holds an empty row (``empty_rows``)."""
     epoch, part, first, count = (table[name][0].as_py() for name in CARRIED)
     real = pc.greater(table["seq_len"], 0)  # not carry's empty row (no sample has 0 tokens: tokenizing skips them)
     where = dict(zip(table["train_index"].filter(real).to_pylist(), np.flatnonzero(real.to_numpy(False)).tolist()))
