@@ -127,7 +127,7 @@ def resume_recomputed(cfg, steps: list[int]) -> dict:
     ]
     resumed = next(s for s in saved if s["step"] == from_step)
     at = resumed["stream"]
-    skips = at.get("skips") or [at.get("skip", 0)] * cfg.train.num_workers
+    skips = at["skips"]  # rank 0 saves every rank's (pipeline.train.batches.ShardFeed.position)
     again = [audit_records(cfg, 1, rank)[-1]["bytes_read_again"] for rank in range(cfg.train.num_workers)]
     return {
         "from_step": from_step,

@@ -267,7 +267,7 @@ def materialized_parts(parts: TrainParts) -> TrainParts:
     there by index for every epoch, restart and stage."""
     import ray
 
-    every = [whole_item(i, count) for i, count in enumerate(parts.counts)]
+    every = [read_item(i, count) for i, count in enumerate(parts.counts)]
     base = parts.tables(ray.data.from_items(every, override_num_blocks=parts.count))
     base.context.target_max_block_size = None  # a part is one block
     held = materialize(base)
@@ -284,9 +284,10 @@ def materialized_parts(parts: TrainParts) -> TrainParts:
     return TrainParts(parts.counts, parts.seed, tables, holds=(held, blocks))
 
 
-def whole_item(part: int, count: int, epoch: int = 0) -> dict[str, Any]:
-    """A read item for every training row of a part (``CARRIED`` columns, nothing skipped)."""
-    return dict(zip(CARRIED, (epoch, part, 0, count)), stream_skip="")
+def read_item(part: int, count: int, epoch: int = 0, first: int = 0) -> dict[str, Any]:
+    """A read item for a part's ``count`` training rows from its stream row ``first`` on (``CARRIED``
+    columns), nothing skipped."""
+    return dict(zip(CARRIED, (epoch, part, first, count)), stream_skip="")
 
 
 def read_part(item: dict[str, np.ndarray], files: list[str], columns: list[str], held_out: list[str], seed: int):
@@ -301,29 +302,33 @@ def read_part(item: dict[str, np.ndarray], files: list[str], columns: list[str],
     fs, path = location_fs(files[int(item["stream_part"][0])])
     with fs.open_input_file(path) as source:
         parquet = pq.ParquetFile(source)
-        train = _training_rows(parquet, held_out)  # (n,) file row of each training row
+        needed = needed_rows(item, seed)
+        table = parquet.read(columns=columns) if needed is None else None  # a whole part: one read
+        ids = None
+        if held_out:  # a mixed part: its held-out rows found by sample id
+            ids = (parquet.read(columns=["sample_id"]) if table is None else table)["sample_id"]
+        train = _training_rows(ids, parquet.metadata.num_rows, held_out)  # (n,) file row of each training row
         if len(train) != int(item["stream_count"][0]):  # the stream's places would not be this file's rows
             raise RuntimeError(
                 f"{path} holds {len(train)} training rows where the stage counted {int(item['stream_count'][0])}: "
                 "the store changed while it trained; run the stage again"
             )
-        needed = needed_rows(item, seed)
         if needed is None:
-            table, index = parquet.read(columns=columns), np.arange(len(train))
+            index = np.arange(len(train))
             table = table if len(train) == table.num_rows else table.take(pa.array(train))
         else:
-            table, index = _read_rows(parquet, train[needed], columns), np.asarray(needed, np.int64)
+            index = np.asarray(needed, np.int64)
+            table = _read_rows(parquet, train[needed], columns)
     return carry(table.append_column("train_index", pa.array(index, pa.int64())), item)
 
 
-def _training_rows(parquet, held_out: list[str]) -> np.ndarray:
-    """The file rows of a part's training rows: every row, less the held-out ones of a mixed part
-    (found from the sample id column alone)."""
-    rows = np.arange(parquet.metadata.num_rows, dtype=np.int64)
+def _training_rows(ids: pa.ChunkedArray | None, rows: int, held_out: list[str]) -> np.ndarray:
+    """The file rows of a part's ``rows`` rows that are training rows: all of them, less the held-out
+    ones of a mixed part (found from its sample ids, ``ids``)."""
+    every = np.arange(rows, dtype=np.int64)
     if not held_out:
-        return rows
-    ids = parquet.read(columns=["sample_id"])
-    return rows[~pc.is_in(ids["sample_id"], value_set=pa.array(held_out, pa.string())).to_numpy(False)]
+        return every
+    return every[~pc.is_in(ids, value_set=pa.array(held_out, pa.string())).to_numpy(False)]
 
 
 def _read_rows(parquet, rows: np.ndarray, columns: list[str]) -> pa.Table:

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.data.parts import CARRIED, empty_rows
-from pipeline.train.inputs import ROWS_PER_BLOCK, TrainParts, part_order, reblock, whole_item
+from pipeline.train.inputs import ROWS_PER_BLOCK, TrainParts, part_order, read_item, reblock
 
 POSITION = ("epoch", "part", "row")  # the stream columns each row carries
 
@@ -88,7 +88,7 @@ def stream_items(_: dict, counts: list[int], seed: int, start: Any) -> list[dict
             order = order[order.index(at["part"]) :]
         for part in order:
             first = at["row"] if (epoch, part) == (at["epoch"], at["part"]) else 0
-            items.append({**whole_item(part, counts[part], epoch), "stream_from": first})
+            items.append(read_item(part, counts[part], epoch, first))
     for i, skip in skipped_rows(items, at.get("skips") or []).items():
         items[i]["stream_skip"] = ",".join(map(str, skip))
     return items
